@@ -1,0 +1,52 @@
+//! Redis key and channel names.
+//!
+//! The id sits inside a hash tag (`{42}`) so that one item's value, lock and
+//! channel always land in the same Redis Cluster slot.
+
+use std::fmt::Display;
+
+/// Builds the names of one item's value, lock and ready channel.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    prefix: String,
+    kind: &'static str,
+}
+
+impl Keys {
+    /// `kind` names what is cached (`post`), `prefix` is KEY_PREFIX.
+    pub fn new(prefix: impl Into<String>, kind: &'static str) -> Self {
+        Self {
+            prefix: prefix.into(),
+            kind,
+        }
+    }
+
+    /// `P` + `post:{42}`
+    pub fn value(&self, id: impl Display) -> String {
+        format!("{}{}:{{{id}}}", self.prefix, self.kind)
+    }
+
+    /// `P` + `lock:post:{42}`
+    pub fn lock(&self, id: impl Display) -> String {
+        format!("{}lock:{}:{{{id}}}", self.prefix, self.kind)
+    }
+
+    /// `P` + `ready:post:{42}`
+    pub fn channel(&self, id: impl Display) -> String {
+        format!("{}ready:{}:{{{id}}}", self.prefix, self.kind)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_contract_and_share_a_hash_tag() {
+        let keys = Keys::new("t1:", "post");
+        assert_eq!(keys.value(42), "t1:post:{42}");
+        assert_eq!(keys.lock(42), "t1:lock:post:{42}");
+        assert_eq!(keys.channel(42), "t1:ready:post:{42}");
+        assert_eq!(Keys::new("", "post").value(7), "post:{7}");
+    }
+}

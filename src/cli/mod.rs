@@ -1,0 +1,3 @@
+//! Subcommands other than `serve`.
+
+pub mod seed;

@@ -1,0 +1,226 @@
+//! Command line and environment settings.
+//!
+//! Every setting is both a `--kebab-case` flag and an `UPPER_SNAKE` environment
+//! variable; durations are written `250ms`, `5s`, `2m`.
+
+use std::{net::SocketAddr, time::Duration};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// postcache: serves posts from Redis in front of PostgreSQL, one load per key for the whole fleet.
+#[derive(Debug, Parser)]
+#[command(name = "postcache", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+
+    /// Log format: `text` for people, `json` for machines. RUST_LOG filters.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create the database if it does not exist, then apply the embedded migrations.
+    Migrate(DatabaseSettings),
+    /// Write posts with ids 1..=N (deterministic for a given seed; safe to rerun).
+    Seed(SeedArgs),
+    /// Serve HTTP (applies pending migrations first unless --no-migrate).
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DatabaseSettings {
+    /// PostgreSQL connection URL (`sslmode=` in the URL selects TLS).
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postcache",
+        hide_env_values = true
+    )]
+    pub database_url: String,
+
+    /// Most connections the service keeps to PostgreSQL.
+    #[arg(long, env = "DB_MAX_CONNECTIONS", default_value_t = 16)]
+    pub db_max_connections: u32,
+
+    /// Longest a request waits for a free PostgreSQL connection before 503.
+    #[arg(long, env = "DB_ACQUIRE_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
+    pub db_acquire_timeout: Duration,
+
+    /// PostgreSQL `statement_timeout` for the service's queries; must stay below LOCK_TTL.
+    #[arg(long, env = "DB_STATEMENT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub db_statement_timeout: Duration,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SeedArgs {
+    #[command(flatten)]
+    pub database: DatabaseSettings,
+
+    /// Number of posts to write (ids 1..=N).
+    #[arg(long, env = "SEED_POSTS")]
+    pub posts: u64,
+
+    /// Seed of the generator: the same seed writes the same posts.
+    #[arg(long, env = "SEED_SEED", default_value_t = 42)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub database: DatabaseSettings,
+
+    #[command(flatten)]
+    pub cache: CacheSettings,
+
+    /// HTTP listen address; port 0 picks a free port (the chosen address is logged).
+    #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
+    pub listen_addr: SocketAddr,
+
+    /// Do not apply pending migrations at start.
+    #[arg(long, env = "NO_MIGRATE")]
+    pub no_migrate: bool,
+}
+
+/// How a read finds its way from Redis to PostgreSQL (see the load-lab issue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Strategy {
+    /// Every request reads PostgreSQL.
+    None,
+    /// Cache-aside without any coalescing.
+    Naive,
+    /// Cache-aside with an in-process flight only.
+    Local,
+    /// Redis lock; waiters poll the value every POLL_INTERVAL.
+    Poll,
+    /// Redis lock; waiters are woken by pub/sub (the default).
+    Pubsub,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CacheSettings {
+    /// Redis URL (`rediss://` for TLS).
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        hide_env_values = true
+    )]
+    pub redis_url: String,
+
+    /// Prepended to every Redis key and channel.
+    #[arg(long, env = "KEY_PREFIX", default_value = "")]
+    pub key_prefix: String,
+
+    /// Lifetime of a cached post.
+    #[arg(long, env = "CACHE_TTL", default_value = "60s", value_parser = parse_duration)]
+    pub cache_ttl: Duration,
+
+    /// Every TTL is multiplied by a uniform random factor in [1-j, 1+j].
+    #[arg(long, env = "TTL_JITTER", default_value_t = 0.1, value_parser = parse_jitter)]
+    pub ttl_jitter: f64,
+
+    /// Lifetime of a "post not found" entry.
+    #[arg(long, env = "NEGATIVE_TTL", default_value = "10s", value_parser = parse_duration)]
+    pub negative_ttl: Duration,
+
+    /// Leader lock lifetime; larger than the database statement timeout.
+    #[arg(long, env = "LOCK_TTL", default_value = "5s", value_parser = parse_duration)]
+    pub lock_ttl: Duration,
+
+    /// Longest a waiter waits for another's load before 504.
+    #[arg(long, env = "WAIT_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
+    pub wait_timeout: Duration,
+
+    /// Bound on every single Redis command; past it the request fails open to PostgreSQL.
+    #[arg(long, env = "REDIS_TIMEOUT", default_value = "250ms", value_parser = parse_duration)]
+    pub redis_timeout: Duration,
+
+    /// Read path: none, naive, local, poll, pubsub.
+    #[arg(long, env = "CACHE_STRATEGY", value_enum, default_value_t = Strategy::Pubsub)]
+    pub cache_strategy: Strategy,
+
+    /// How often `poll` waiters re-read the value.
+    #[arg(long, env = "POLL_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
+    pub poll_interval: Duration,
+}
+
+/// Parses `250ms`, `5s`, `2m` (any humantime duration).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim()).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+fn parse_jitter(s: &str) -> Result<f64, String> {
+    let j: f64 = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("invalid jitter {s:?}: {e}"))?;
+    if (0.0..1.0).contains(&j) {
+        Ok(j)
+    } else {
+        Err(format!("jitter must be in [0, 1), got {j}"))
+    }
+}
+
+impl ServeArgs {
+    /// Checks the relations between settings that clap cannot express.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let c = &self.cache;
+        anyhow::ensure!(!c.cache_ttl.is_zero(), "CACHE_TTL must be positive");
+        anyhow::ensure!(!c.negative_ttl.is_zero(), "NEGATIVE_TTL must be positive");
+        anyhow::ensure!(!c.lock_ttl.is_zero(), "LOCK_TTL must be positive");
+        anyhow::ensure!(!c.wait_timeout.is_zero(), "WAIT_TIMEOUT must be positive");
+        anyhow::ensure!(!c.redis_timeout.is_zero(), "REDIS_TIMEOUT must be positive");
+        anyhow::ensure!(!c.poll_interval.is_zero(), "POLL_INTERVAL must be positive");
+        anyhow::ensure!(
+            self.database.db_statement_timeout < c.lock_ttl,
+            "DB_STATEMENT_TIMEOUT ({:?}) must be below LOCK_TTL ({:?}) so a leader cannot outlive its lock",
+            self.database.db_statement_timeout,
+            c.lock_ttl
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_written_as_in_the_contract() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn jitter_outside_zero_to_one_is_refused() {
+        assert_eq!(parse_jitter("0.1"), Ok(0.1));
+        assert!(parse_jitter("1").is_err());
+        assert!(parse_jitter("-0.1").is_err());
+    }
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let cli = Cli::try_parse_from(["postcache", "serve"]).expect("defaults parse");
+        let Command::Serve(s) = cli.command else {
+            panic!("serve expected")
+        };
+        assert_eq!(s.listen_addr.to_string(), "127.0.0.1:8080");
+        assert_eq!(s.cache.cache_ttl, Duration::from_secs(60));
+        assert_eq!(s.cache.lock_ttl, Duration::from_secs(5));
+        assert_eq!(s.cache.wait_timeout, Duration::from_secs(3));
+        assert_eq!(s.cache.negative_ttl, Duration::from_secs(10));
+        assert_eq!(s.cache.cache_strategy, Strategy::Pubsub);
+        s.validate().expect("defaults are consistent");
+    }
+}

@@ -1,0 +1,61 @@
+//! PostgreSQL: the pool, database creation and the embedded migrations.
+
+use std::str::FromStr;
+
+use anyhow::Context;
+use sqlx::{
+    migrate::{MigrateDatabase, Migrator},
+    postgres::{PgConnectOptions, PgPoolOptions},
+    PgPool, Postgres,
+};
+
+use crate::config::DatabaseSettings;
+
+/// The migrations in `migrations/`, compiled into the binary.
+pub static MIGRATOR: Migrator = sqlx::migrate!();
+
+/// Creates the database named in the URL if it does not exist yet.
+///
+/// Several instances may start at once: losing the race to create it is fine.
+pub async fn ensure_database(url: &str) -> anyhow::Result<()> {
+    if Postgres::database_exists(url)
+        .await
+        .context("failed to reach PostgreSQL")?
+    {
+        return Ok(());
+    }
+    match Postgres::create_database(url).await {
+        Ok(()) => Ok(()),
+        // 42P04 duplicate_database: another instance created it meanwhile.
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => Ok(()),
+        Err(e) => Err(e).context("failed to create the database"),
+    }
+}
+
+/// Creates the database if needed and applies pending migrations.
+pub async fn migrate(settings: &DatabaseSettings) -> anyhow::Result<()> {
+    ensure_database(&settings.database_url).await?;
+    let pool = connect(settings).await?;
+    MIGRATOR
+        .run(&pool)
+        .await
+        .context("failed to apply migrations")?;
+    pool.close().await;
+    Ok(())
+}
+
+/// A lazily connecting pool whose connections carry the statement timeout.
+///
+/// Lazy so that the service starts (and fails open per request, with 503)
+/// while PostgreSQL is down, and recovers without a restart.
+pub async fn connect(settings: &DatabaseSettings) -> anyhow::Result<PgPool> {
+    let timeout_ms = settings.db_statement_timeout.as_millis().max(1).to_string();
+    let options = PgConnectOptions::from_str(&settings.database_url)
+        .context("invalid DATABASE_URL")?
+        .application_name("postcache")
+        .options([("statement_timeout", timeout_ms.as_str())]);
+    Ok(PgPoolOptions::new()
+        .max_connections(settings.db_max_connections)
+        .acquire_timeout(settings.db_acquire_timeout)
+        .connect_lazy_with(options))
+}

@@ -1,0 +1,209 @@
+//! In-process flights: concurrent misses for one key in one process share one run.
+//!
+//! The run is a spawned task, so a request whose client goes away (its future
+//! dropped) never cancels the work the other requests of the flight wait for.
+//! The result is handed out through a `watch` channel: every joiner, early or
+//! late, sees the single value, and if the task panics its sender is dropped,
+//! which wakes every joiner with an error instead of leaving them hanging.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    hash::Hash,
+    sync::{Arc, Mutex, PoisonError},
+};
+
+use tokio::sync::watch;
+
+type Slot<V> = watch::Receiver<Option<V>>;
+
+/// The flights in progress in this process, by key.
+pub struct Flights<K, V> {
+    /// A std mutex: only held to look up, insert or remove, never across an await.
+    running: Arc<Mutex<HashMap<K, Slot<V>>>>,
+}
+
+/// How a caller took part in a flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// This caller started the flight.
+    Owner,
+    /// This caller joined a flight another request started.
+    Joiner,
+}
+
+/// The flight's task ended without a result (it panicked).
+#[derive(Debug, thiserror::Error)]
+#[error("the flight ended without a result")]
+pub struct Abandoned;
+
+impl<K, V> Default for Flights<K, V> {
+    fn default() -> Self {
+        Self {
+            running: Arc::default(),
+        }
+    }
+}
+
+/// Removes a flight from the map when its task ends, however it ends.
+struct Deregister<K: Eq + Hash, V> {
+    running: Arc<Mutex<HashMap<K, Slot<V>>>>,
+    key: K,
+    slot: Slot<V>,
+}
+
+impl<K: Eq + Hash, V> Drop for Deregister<K, V> {
+    fn drop(&mut self) {
+        let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+        // Only our own slot: never a later flight that reused the key.
+        if running
+            .get(&self.key)
+            .is_some_and(|s| s.same_channel(&self.slot))
+        {
+            running.remove(&self.key);
+        }
+    }
+}
+
+impl<K, V> Flights<K, V>
+where
+    K: Clone + Eq + Hash + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    /// Number of flights in progress.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<K, Slot<V>>> {
+        self.running.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Joins the flight for `key`, starting it with `start()` if none runs.
+    ///
+    /// The flight is removed from the map only after its result is published,
+    /// so a caller arriving in between still gets that result; one arriving
+    /// after finds whatever the run left behind (e.g. the cache entry).
+    pub async fn run<F, Fut>(&self, key: K, start: F) -> (Role, Result<V, Abandoned>)
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = V> + Send + 'static,
+    {
+        let (role, mut slot) = {
+            let mut running = self.lock();
+            match running.get(&key) {
+                Some(slot) => (Role::Joiner, slot.clone()),
+                None => {
+                    let (tx, rx) = watch::channel(None);
+                    running.insert(key.clone(), rx.clone());
+                    let deregister = Deregister {
+                        running: self.running.clone(),
+                        key,
+                        slot: rx.clone(),
+                    };
+                    let fut = start();
+                    tokio::spawn(async move {
+                        let value = fut.await;
+                        // Publish first, then deregister (on drop).
+                        tx.send_replace(Some(value));
+                        drop(deregister);
+                    });
+                    (Role::Owner, rx)
+                }
+            }
+        };
+        let result = match slot.wait_for(Option::is_some).await {
+            Ok(value) => Ok(value.clone().expect("wait_for returned a Some")),
+            Err(_) => Err(Abandoned),
+        };
+        (role, result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        sync::atomic::{AtomicUsize, Ordering},
+        time::Duration,
+    };
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_callers_share_one_run() {
+        let flights = Arc::new(Flights::<u32, u32>::default());
+        let runs = Arc::new(AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..100 {
+            let (flights, runs) = (flights.clone(), runs.clone());
+            tasks.push(tokio::spawn(async move {
+                flights
+                    .run(1, || async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        7
+                    })
+                    .await
+            }));
+        }
+        let mut owners = 0;
+        for t in tasks {
+            let (role, v) = t.await.unwrap();
+            assert_eq!(v.unwrap(), 7);
+            owners += usize::from(role == Role::Owner);
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(owners, 1);
+        assert!(flights.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_owner_does_not_cancel_the_run() {
+        let flights = Arc::new(Flights::<u32, u32>::default());
+        let owner = {
+            let flights = flights.clone();
+            tokio::spawn(async move {
+                flights
+                    .run(1, || async {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        9
+                    })
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        owner.abort();
+        let (role, v) = flights.run(1, || async { unreachable!() }).await;
+        assert_eq!((role, v.unwrap()), (Role::Joiner, 9));
+    }
+
+    #[tokio::test]
+    async fn a_panicking_run_wakes_every_joiner_with_an_error() {
+        let flights = Arc::new(Flights::<u32, u32>::default());
+        let joiners: Vec<_> = (0..10)
+            .map(|_| {
+                let flights = flights.clone();
+                tokio::spawn(async move {
+                    flights
+                        .run(1, || async {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            panic!("load exploded")
+                        })
+                        .await
+                })
+            })
+            .collect();
+        for j in joiners {
+            let (_, v) = tokio::time::timeout(Duration::from_secs(2), j)
+                .await
+                .expect("no hang")
+                .unwrap();
+            assert!(v.is_err());
+        }
+        assert!(flights.is_empty(), "the map is cleaned after a panic");
+    }
+}

@@ -1,0 +1,263 @@
+//! One shared subscriber connection per process, multiplexing every ready channel.
+//!
+//! Only flight owners subscribe, and there is at most one flight per key per
+//! process, so a channel usually has a single local listener; the reference
+//! count covers the overlap of an ending flight and the next one.
+//!
+//! Ordering is the subtle part. A channel must never be left unsubscribed on
+//! the server while a local listener believes it is subscribed. An UNSUBSCRIBE
+//! racing a new SUBSCRIBE on the same channel could do exactly that, so all
+//! server-side changes of one channel are serialised by that channel's
+//! `server_state` lock, and a slot leaves the map only after its UNSUBSCRIBE
+//! has completed: a newcomer either finds the old slot (and re-subscribes under
+//! its lock if needed) or creates a new one after the UNSUBSCRIBE is done.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use fred::{clients::SubscriberClient, prelude::*};
+use tokio::sync::broadcast;
+
+use super::redis::RedisError;
+
+/// Notices buffered per channel; a flight reads them as they come, and a lagging
+/// listener only loses a wake-up it then replaces by a re-check.
+const CHANNEL_BUFFER: usize = 8;
+
+/// What a listener on a ready channel is told.
+#[derive(Debug, Clone)]
+pub enum Notice {
+    /// A message published on the channel: the leader's outcome.
+    Message(Bytes),
+    /// Messages may have been lost (reconnect, lag): re-check the cache.
+    Recheck,
+}
+
+struct Slot {
+    /// Fan-out to the local listeners of this channel. broadcast, not watch:
+    /// every message matters (a Recheck must not overwrite an outcome).
+    sender: broadcast::Sender<Notice>,
+    /// Whether the server has this channel subscribed. A tokio mutex because
+    /// it is held across the SUBSCRIBE / UNSUBSCRIBE round trip.
+    server_state: tokio::sync::Mutex<bool>,
+}
+
+struct Registered {
+    refs: usize,
+    slot: Arc<Slot>,
+}
+
+/// The process's shared subscriber.
+pub struct Subscriber {
+    client: SubscriberClient,
+    timeout: Duration,
+    /// Channel name → slot. A std mutex: held only for map operations, never
+    /// across an await, and taken by the message dispatcher for every message.
+    slots: Mutex<HashMap<String, Registered>>,
+}
+
+/// A local listener on one channel; dropping it releases the reference.
+pub struct Subscription {
+    owner: Arc<Subscriber>,
+    channel: String,
+    slot: Arc<Slot>,
+    receiver: broadcast::Receiver<Notice>,
+}
+
+impl Subscriber {
+    /// Wraps a connected (or connecting) subscriber client and starts the
+    /// dispatcher and the re-subscription task.
+    pub fn start(client: SubscriberClient, timeout: Duration) -> Arc<Self> {
+        let this = Arc::new(Self {
+            client,
+            timeout,
+            slots: Mutex::new(HashMap::new()),
+        });
+        // Re-subscribes every tracked channel after a reconnect.
+        let _resubscribe = this.client.manage_subscriptions();
+        tokio::spawn(dispatch(Arc::downgrade(&this), this.client.message_rx()));
+        tokio::spawn(recheck_on_reconnect(
+            Arc::downgrade(&this),
+            this.client.reconnect_rx(),
+        ));
+        this
+    }
+
+    pub fn client(&self) -> &SubscriberClient {
+        &self.client
+    }
+
+    /// Channels with at least one local listener.
+    pub fn channels(&self) -> usize {
+        self.lock_slots().len()
+    }
+
+    fn lock_slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Registered>> {
+        // A panic while holding this lock cannot leave the map inconsistent
+        // (each critical section is a single insert, update or remove).
+        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Listens on `channel`; returns once the server has confirmed the subscription.
+    pub async fn subscribe(self: &Arc<Self>, channel: &str) -> Result<Subscription, RedisError> {
+        let (slot, receiver) = {
+            let mut slots = self.lock_slots();
+            let entry = slots
+                .entry(channel.to_owned())
+                .or_insert_with(|| Registered {
+                    refs: 0,
+                    slot: Arc::new(Slot {
+                        sender: broadcast::channel(CHANNEL_BUFFER).0,
+                        server_state: tokio::sync::Mutex::new(false),
+                    }),
+                });
+            entry.refs += 1;
+            // The receiver exists before the SUBSCRIBE is sent: nothing
+            // published after the confirmation can be missed.
+            (entry.slot.clone(), entry.slot.sender.subscribe())
+        };
+        // From here on, dropping the subscription releases the reference,
+        // whether the SUBSCRIBE below succeeds, fails or is cancelled.
+        let subscription = Subscription {
+            owner: self.clone(),
+            channel: channel.to_owned(),
+            slot,
+            receiver,
+        };
+        let mut subscribed = subscription.slot.server_state.lock().await;
+        if !*subscribed {
+            match tokio::time::timeout(self.timeout, self.client.subscribe(channel)).await {
+                Ok(Ok(())) => *subscribed = true,
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => return Err(RedisError::Timeout(self.timeout)),
+            }
+        }
+        drop(subscribed);
+        Ok(subscription)
+    }
+
+    fn release(self: &Arc<Self>, channel: &str, slot: &Arc<Slot>) {
+        {
+            let mut slots = self.lock_slots();
+            let Some(entry) = slots.get_mut(channel) else {
+                return;
+            };
+            entry.refs -= 1;
+            if entry.refs > 0 {
+                return;
+            }
+        }
+        let this = self.clone();
+        let channel = channel.to_owned();
+        let slot = slot.clone();
+        tokio::spawn(async move {
+            let mut subscribed = slot.server_state.lock().await;
+            if this.refs_of(&channel, &slot) > 0 {
+                return; // a new listener arrived: keep the subscription
+            }
+            if *subscribed {
+                match tokio::time::timeout(this.timeout, this.client.unsubscribe(&channel)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!(error = %e, channel, "unsubscribe failed"),
+                    Err(_) => tracing::debug!(channel, "unsubscribe timed out"),
+                }
+                // Even on failure: the next listener subscribes again, and a
+                // stale server-side subscription only delivers ignored messages.
+                *subscribed = false;
+            }
+            let mut slots = this.lock_slots();
+            if slots
+                .get(&channel)
+                .is_some_and(|e| e.refs == 0 && Arc::ptr_eq(&e.slot, &slot))
+            {
+                slots.remove(&channel);
+            }
+        });
+    }
+
+    fn refs_of(&self, channel: &str, slot: &Arc<Slot>) -> usize {
+        self.lock_slots()
+            .get(channel)
+            .filter(|e| Arc::ptr_eq(&e.slot, slot))
+            .map_or(0, |e| e.refs)
+    }
+
+    fn notify(&self, channel: &str, notice: Notice) {
+        if let Some(entry) = self.lock_slots().get(channel) {
+            // No receiver left is fine: the flight has just ended.
+            let _ = entry.slot.sender.send(notice);
+        }
+    }
+
+    fn notify_all(&self, notice: Notice) {
+        for entry in self.lock_slots().values() {
+            let _ = entry.slot.sender.send(notice.clone());
+        }
+    }
+}
+
+impl Subscription {
+    /// The next notice on this channel. A lag turns into a re-check.
+    pub async fn recv(&mut self) -> Notice {
+        match self.receiver.recv().await {
+            Ok(notice) => notice,
+            Err(broadcast::error::RecvError::Lagged(_)) => Notice::Recheck,
+            // The sender lives in the slot we hold an Arc to: it cannot close
+            // while this subscription exists. Park instead of spinning.
+            Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+        }
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.owner.release(&self.channel, &self.slot);
+    }
+}
+
+/// Routes every message of the shared connection to its channel's listeners.
+async fn dispatch(
+    owner: std::sync::Weak<Subscriber>,
+    mut messages: broadcast::Receiver<fred::types::Message>,
+) {
+    loop {
+        let received = messages.recv().await;
+        let Some(owner) = owner.upgrade() else { return };
+        match received {
+            Ok(message) => {
+                let Some(payload) = message.value.into_bytes() else {
+                    tracing::warn!(channel = %message.channel, "ignored a non-binary ready message");
+                    continue;
+                };
+                owner.notify(&message.channel, Notice::Message(payload));
+            }
+            Err(broadcast::error::RecvError::Lagged(lost)) => {
+                tracing::warn!(lost, "subscriber lagged; waking every listener to re-check");
+                owner.notify_all(Notice::Recheck);
+            }
+            Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+/// After a reconnect, messages published while the connection was down are
+/// lost: every listener re-checks the cache rather than waiting for them.
+async fn recheck_on_reconnect(
+    owner: std::sync::Weak<Subscriber>,
+    mut reconnects: broadcast::Receiver<fred::types::config::Server>,
+) {
+    loop {
+        let received = reconnects.recv().await;
+        let Some(owner) = owner.upgrade() else { return };
+        match received {
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                owner.notify_all(Notice::Recheck)
+            }
+            Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}

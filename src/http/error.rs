@@ -1,0 +1,73 @@
+//! The one error type of the HTTP layer and its mapping to status codes.
+
+use axum::{
+    http::{header, HeaderValue, StatusCode},
+    response::{IntoResponse, Response},
+    Json,
+};
+use serde_json::json;
+
+use super::id::InvalidId;
+use crate::flight::{ReadError, Served};
+
+/// Every error a client can see. Bodies are `{"error": "..."}`; 5xx bodies
+/// never carry internals (those are logged where they happen).
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("invalid id: {0}")]
+    InvalidId(#[from] InvalidId),
+    #[error("invalid path")]
+    InvalidPath,
+    #[error("post not found")]
+    PostNotFound(Served),
+    #[error("no such route")]
+    RouteNotFound,
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("the backend is unavailable")]
+    Unavailable,
+    #[error("timed out waiting for the post to load")]
+    WaitTimeout,
+}
+
+impl ApiError {
+    pub fn status_code(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidId(_) | ApiError::InvalidPath => StatusCode::BAD_REQUEST,
+            ApiError::PostNotFound(_) | ApiError::RouteNotFound => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::WaitTimeout => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+}
+
+impl From<ReadError> for ApiError {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::Unavailable => ApiError::Unavailable,
+            ReadError::Timeout => ApiError::WaitTimeout,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (
+            self.status_code(),
+            Json(json!({ "error": self.to_string() })),
+        )
+            .into_response();
+        if let ApiError::PostNotFound(served) = self {
+            response
+                .headers_mut()
+                .insert("x-cache", HeaderValue::from_static(served.as_str()));
+        }
+        if let ApiError::MethodNotAllowed = self {
+            response
+                .headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        }
+        response
+    }
+}

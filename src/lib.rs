@@ -1,0 +1,26 @@
+//! postcache serves posts (`GET /posts/{id}`) out of Redis in front of
+//! PostgreSQL and never lets a cache stampede reach the database: when a key
+//! is missing, exactly one request in the whole fleet loads the row, and every
+//! other request, in any instance, is woken by Redis pub/sub when it lands.
+//!
+//! # Layout
+//! - [`config`]: settings, each a flag and an environment variable.
+//! - [`telemetry`]: logging.
+//! - [`startup`]: builds the service, binds, runs until a shutdown future.
+//! - [`http`]: router, handlers, the one HTTP error type.
+//! - [`posts`]: the post, its JSON and its SQL.
+//! - [`cache`]: Redis key names, the entry envelope, TTL jitter.
+//! - [`flight`]: the read path: in-process flight, lock with token, shared
+//!   subscriber, per strategy. Generic over what it loads.
+//! - [`db`]: the PostgreSQL pool and the embedded migrations.
+//! - [`cli`]: `seed`.
+
+pub mod cache;
+pub mod cli;
+pub mod config;
+pub mod db;
+pub mod flight;
+pub mod http;
+pub mod posts;
+pub mod startup;
+pub mod telemetry;

@@ -1,0 +1,102 @@
+//! The post: its type, its JSON and its SQL.
+
+use serde::Serialize;
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+/// One row of `posts`, serialised as the body of `GET /posts/{id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct Post {
+    pub id: i64,
+    pub title: String,
+    pub body: String,
+    pub author: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    pub updated_at: OffsetDateTime,
+}
+
+/// Reads and writes posts in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PostStore {
+    pool: PgPool,
+}
+
+impl PostStore {
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The post with this id, if any. One indexed query.
+    pub async fn find(&self, id: i64) -> Result<Option<Post>, sqlx::Error> {
+        sqlx::query_as::<_, Post>(
+            "select id, title, body, author, created_at, updated_at from posts where id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+    }
+
+    /// Inserts or replaces a batch of posts in one statement.
+    pub async fn upsert_batch(&self, posts: &[Post]) -> Result<u64, sqlx::Error> {
+        let mut ids = Vec::with_capacity(posts.len());
+        let mut titles = Vec::with_capacity(posts.len());
+        let mut bodies = Vec::with_capacity(posts.len());
+        let mut authors = Vec::with_capacity(posts.len());
+        let mut created = Vec::with_capacity(posts.len());
+        let mut updated = Vec::with_capacity(posts.len());
+        for p in posts {
+            ids.push(p.id);
+            titles.push(p.title.as_str());
+            bodies.push(p.body.as_str());
+            authors.push(p.author.as_str());
+            created.push(p.created_at);
+            updated.push(p.updated_at);
+        }
+        let done = sqlx::query(
+            "insert into posts (id, title, body, author, created_at, updated_at)
+             select * from unnest($1::bigint[], $2::text[], $3::text[], $4::text[],
+                                  $5::timestamptz[], $6::timestamptz[])
+             on conflict (id) do update set
+                 title = excluded.title, body = excluded.body, author = excluded.author,
+                 created_at = excluded.created_at, updated_at = excluded.updated_at",
+        )
+        .bind(&ids)
+        .bind(&titles)
+        .bind(&bodies)
+        .bind(&authors)
+        .bind(&created)
+        .bind(&updated)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+}
+
+/// Loads posts for the read path: the JSON body, or `None` when absent.
+#[derive(Debug, Clone)]
+pub struct PostSource {
+    store: PostStore,
+}
+
+impl PostSource {
+    pub fn new(store: PostStore) -> Self {
+        Self { store }
+    }
+}
+
+impl crate::flight::Source for PostSource {
+    type Key = i64;
+
+    async fn load(&self, id: &i64) -> Result<Option<bytes::Bytes>, crate::flight::LoadError> {
+        let Some(post) = self.store.find(*id).await? else {
+            return Ok(None);
+        };
+        Ok(Some(serde_json::to_vec(&post)?.into()))
+    }
+}

@@ -1,0 +1,181 @@
+//! Builds the service from its settings, binds, and runs until a shutdown future.
+
+use std::{future::Future, net::SocketAddr, time::Duration};
+
+use anyhow::Context;
+use axum::Router;
+use fred::{
+    clients::SubscriberClient,
+    prelude::*,
+    types::config::{Config as RedisConfig, ReconnectPolicy},
+};
+use tokio::net::TcpListener;
+
+use crate::{
+    cache::{Jitter, Keys},
+    config::ServeArgs,
+    db,
+    flight::{self, ReadPath, RedisCommands, Subscriber},
+    http::{self, AppState},
+    posts::{PostSource, PostStore},
+};
+
+/// Longest the service waits for Redis at start before serving fail-open.
+const REDIS_STARTUP_WAIT: Duration = Duration::from_secs(2);
+/// Reconnect delays: from 50 ms doubling up to 1 s, for ever.
+const RECONNECT_MIN_MS: u32 = 50;
+const RECONNECT_MAX_MS: u32 = 1_000;
+
+/// A built, bound, not yet running service.
+pub struct Application {
+    listener: TcpListener,
+    router: Router,
+    state: AppState,
+    redis: Client,
+    subscriber: SubscriberClient,
+}
+
+impl Application {
+    pub async fn build(args: ServeArgs) -> anyhow::Result<Self> {
+        args.validate()?;
+        if !args.no_migrate {
+            db::migrate(&args.database).await?;
+        }
+        let pool = db::connect(&args.database).await?;
+        let (redis, subscriber) = connect_redis(&args).await?;
+        let c = &args.cache;
+        let read_path = ReadPath::new(
+            PostSource::new(PostStore::new(pool.clone())),
+            Keys::new(c.key_prefix.clone(), "post"),
+            RedisCommands::new(redis.clone(), c.redis_timeout),
+            Subscriber::start(subscriber.clone(), c.redis_timeout),
+            flight::Settings {
+                strategy: c.cache_strategy,
+                cache_ttl: c.cache_ttl,
+                negative_ttl: c.negative_ttl,
+                jitter: Jitter::new(c.ttl_jitter),
+                lock_ttl: c.lock_ttl,
+                wait_timeout: c.wait_timeout,
+                poll_interval: c.poll_interval,
+            },
+        );
+        let state = AppState {
+            read_path,
+            db: pool,
+        };
+        let listener = TcpListener::bind(args.listen_addr)
+            .await
+            .with_context(|| format!("failed to bind {}", args.listen_addr))?;
+        Ok(Self {
+            router: http::app(state.clone()),
+            listener,
+            state,
+            redis,
+            subscriber,
+        })
+    }
+
+    /// The bound address (the chosen port when LISTEN_ADDR had port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Serves until `shutdown` completes, then lets in-flight requests finish.
+    pub async fn run_until_stopped(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        tracing::info!(addr = %self.local_addr(), "listening");
+        axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(shutdown)
+            .await
+            .context("server failed")?;
+        tracing::info!("stopped accepting; closing connections");
+        let _ = self.subscriber.quit().await;
+        let _ = self.redis.quit().await;
+        self.state.db.close().await;
+        Ok(())
+    }
+}
+
+/// The command client and the shared subscriber, both reconnecting for ever.
+async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberClient)> {
+    // The URL may hold a password: never put it in an error message.
+    let config = RedisConfig::from_url(&args.cache.redis_url)
+        .map_err(|e| anyhow::anyhow!("invalid REDIS_URL: {}", e.kind().to_str()))?;
+    let mut builder = Builder::from_config(config);
+    builder
+        .set_policy(ReconnectPolicy::new_exponential(
+            0,
+            RECONNECT_MIN_MS,
+            RECONNECT_MAX_MS,
+            2,
+        ))
+        .with_connection_config(|c| {
+            c.connection_timeout = args.cache.redis_timeout.max(Duration::from_millis(500));
+            c.internal_command_timeout = args.cache.redis_timeout.max(Duration::from_millis(500));
+        })
+        .with_performance_config(|p| {
+            // The shared subscriber's fan-out buffer: a stampede over many
+            // keys must not lag it (a lag costs every waiter a re-check).
+            p.broadcast_channel_capacity = 4096;
+        });
+    let client = builder.build().context("invalid Redis settings")?;
+    let subscriber = builder
+        .build_subscriber_client()
+        .context("invalid Redis settings")?;
+    for c in [&client as &dyn ClientLikeDyn, &subscriber] {
+        c.start();
+    }
+    let ready = async {
+        client.wait_for_connect().await?;
+        subscriber.wait_for_connect().await
+    };
+    match tokio::time::timeout(REDIS_STARTUP_WAIT, ready).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "redis unavailable at start; serving fail-open"),
+        Err(_) => tracing::warn!("redis unavailable at start; serving fail-open"),
+    }
+    Ok((client, subscriber))
+}
+
+/// Lets both clients be started through one loop.
+trait ClientLikeDyn {
+    fn start(&self);
+}
+
+impl<T: ClientLike> ClientLikeDyn for T {
+    fn start(&self) {
+        // The connection task runs (and reconnects) in the background.
+        drop(self.connect());
+    }
+}
+
+/// Completes on ctrl-c or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!("shutdown signal received");
+}

@@ -1,0 +1,26 @@
+//! Logging setup: `RUST_LOG` filters, `LOG_FORMAT` picks text or JSON.
+
+use tracing_subscriber::{fmt, prelude::*, EnvFilter};
+
+use crate::config::LogFormat;
+
+/// Filter used when RUST_LOG is not set.
+const DEFAULT_FILTER: &str = "info,sqlx=warn,fred=warn";
+
+/// Installs the global subscriber; call once, from `main`.
+pub fn init(format: LogFormat) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
+    let registry = tracing_subscriber::registry().with(filter);
+    match format {
+        LogFormat::Text => registry.with(fmt::layer()).init(),
+        LogFormat::Json => registry
+            .with(
+                fmt::layer()
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(true),
+            )
+            .init(),
+    }
+}
