@@ -4,16 +4,16 @@
 //! other request, in any instance, is woken by Redis pub/sub when it lands.
 //!
 //! # Layout
-//! - [`config`]: settings, each a flag and an environment variable.
-//! - [`telemetry`]: logging.
-//! - [`startup`]: builds the service, binds, runs until a shutdown future.
-//! - [`http`]: router, handlers, the one HTTP error type.
-//! - [`posts`]: the post, its JSON and its SQL.
-//! - [`cache`]: Redis key names, the entry envelope, TTL jitter.
-//! - [`flight`]: the read path: in-process flight, lock with token, shared
+//! - [`config`] — settings, each a flag and an environment variable.
+//! - [`telemetry`] — logging.
+//! - [`startup`] — builds the service, binds, runs until a shutdown future.
+//! - [`http`] — router, handlers, the one HTTP error type.
+//! - [`posts`] — the post, its JSON and its SQL.
+//! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
+//! - [`flight`] — the read path: in-process flight, lock with token, shared
 //!   subscriber, per strategy. Generic over what it loads.
-//! - [`db`]: the PostgreSQL pool and the embedded migrations.
-//! - [`cli`]: `seed`.
+//! - [`db`] — the PostgreSQL pool and the embedded migrations.
+//! - [`cli`] — `seed`.
 
 pub mod cache;
 pub mod cli;

@@ -15,7 +15,7 @@ use crate::{
     cache::{Jitter, Keys},
     config::ServeArgs,
     db,
-    flight::{self, ReadPath, RedisCommands, Subscriber},
+    flight::{self, Hooks, ReadPath, RedisCommands, Subscriber},
     http::{self, AppState},
     posts::{PostSource, PostStore},
 };
@@ -37,6 +37,11 @@ pub struct Application {
 
 impl Application {
     pub async fn build(args: ServeArgs) -> anyhow::Result<Self> {
+        Self::build_with_hooks(args, Hooks::default()).await
+    }
+
+    /// As [`Application::build`], with test observation points in the read path.
+    pub async fn build_with_hooks(args: ServeArgs, hooks: Hooks) -> anyhow::Result<Self> {
         args.validate()?;
         if !args.no_migrate {
             db::migrate(&args.database).await?;
@@ -57,6 +62,7 @@ impl Application {
                 lock_ttl: c.lock_ttl,
                 wait_timeout: c.wait_timeout,
                 poll_interval: c.poll_interval,
+                hooks,
             },
         );
         let state = AppState {

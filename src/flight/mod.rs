@@ -26,7 +26,11 @@ use std::{
     fmt::Display,
     future::Future,
     hash::Hash,
-    sync::Arc,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -114,6 +118,28 @@ pub struct Settings {
     pub wait_timeout: Duration,
     /// How often `poll` waiters re-read the value.
     pub poll_interval: Duration,
+    /// Test support: observation points inside the protocol.
+    pub hooks: Hooks,
+}
+
+/// An async callback run at a point of the protocol, given the value key.
+pub type Hook = Arc<dyn Fn(String) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+/// Observation points for tests that must act at an exact step of the
+/// protocol (for instance, write a value between a waiter's subscription and
+/// its re-check). Empty in production.
+#[derive(Clone, Default)]
+pub struct Hooks {
+    /// Runs after a waiter's subscription is confirmed, before its re-check.
+    pub before_recheck: Option<Hook>,
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks")
+            .field("before_recheck", &self.before_recheck.is_some())
+            .finish()
+    }
 }
 
 /// What one in-process flight ended with; shared by all its joiners.
@@ -139,6 +165,25 @@ pub struct ReadPath<S: Source> {
     subscriber: Arc<Subscriber>,
     flights: Flights<S::Key, Outcome>,
     settings: Settings,
+    /// Reads in progress (every `get` not yet answered): lets tests and
+    /// metrics see how many requests a stampede holds.
+    reads_in_progress: AtomicUsize,
+}
+
+/// Counts a read as in progress until dropped.
+struct InProgress<'a>(&'a AtomicUsize);
+
+impl<'a> InProgress<'a> {
+    fn enter(counter: &'a AtomicUsize) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        Self(counter)
+    }
+}
+
+impl Drop for InProgress<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl<S: Source> ReadPath<S> {
@@ -156,6 +201,7 @@ impl<S: Source> ReadPath<S> {
             subscriber,
             flights: Flights::default(),
             settings,
+            reads_in_progress: AtomicUsize::new(0),
         })
     }
 
@@ -172,8 +218,14 @@ impl<S: Source> ReadPath<S> {
         self.flights.len()
     }
 
+    /// Reads not yet answered.
+    pub fn reads_in_progress(&self) -> usize {
+        self.reads_in_progress.load(Ordering::Relaxed)
+    }
+
     /// Reads one item through the cache.
     pub async fn get(self: &Arc<Self>, key: S::Key) -> Result<Answer, ReadError> {
+        let _in_progress = InProgress::enter(&self.reads_in_progress);
         let span = tracing::Span::current();
         if self.settings.strategy == Strategy::None {
             span.record("role", "direct");
@@ -275,6 +327,9 @@ impl<S: Source> ReadPath<S> {
                     Ok(s) => subscription = Some(s),
                     Err(error) => return self.fail_open(key, error).await,
                 }
+            }
+            if let Some(hook) = &self.settings.hooks.before_recheck {
+                hook(value_key.clone()).await;
             }
             // Re-check: the leader may have finished (and published) before
             // our subscription existed, or since our last look.

@@ -1,0 +1,210 @@
+//! Stampede benchmark: 1,000 concurrent requests on a cold key over 4
+//! instances, 20 times, against the real PostgreSQL and Redis.
+//!
+//! ```text
+//! cargo run --release --example stampede [-- --rounds 20 --requests 1000 --instances 4]
+//! ```
+//!
+//! Each round holds the leader's load back with a table lock until every
+//! request is inside the service, releases it, and measures:
+//! - database reads per stampede, from PostgreSQL's own statistics;
+//! - Redis commands per request, from `INFO commandstats` deltas;
+//! - how long after the leader's publish each waiter got its answer (seen by
+//!   the client, and the publish seen by a subscriber of the benchmark's own).
+//!
+//! It uses Redis's command statistics, so run it while nothing else uses that Redis.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use fred::{clients::SubscriberClient, prelude::*};
+use futures::future::join_all;
+use support::{blocked_loads, TableLock, TestApp, TestEnv};
+
+struct Args {
+    rounds: usize,
+    requests: usize,
+    instances: usize,
+    strategy: String,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        rounds: 20,
+        requests: 1000,
+        instances: 4,
+        strategy: "pubsub".into(),
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    for pair in argv.chunks(2) {
+        let value = pair.get(1).cloned().unwrap_or_default();
+        match pair[0].as_str() {
+            "--rounds" => a.rounds = value.parse().expect("--rounds N"),
+            "--requests" => a.requests = value.parse().expect("--requests N"),
+            "--instances" => a.instances = value.parse().expect("--instances N"),
+            "--strategy" => a.strategy = value,
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    a
+}
+
+async fn commandstats(redis: &Client) -> HashMap<String, u64> {
+    let info: String = redis
+        .info(Some(fred::types::InfoKind::Commandstats))
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|line| {
+            let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest.split(',').find_map(|kv| kv.strip_prefix("calls="))?;
+            Some((name.to_owned(), calls.parse().ok()?))
+        })
+        .collect()
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2}", d.as_secs_f64() * 1e3)
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let a = args();
+    let env = TestEnv::new(a.rounds as u64 + 10).await;
+    let flags = [
+        "--wait-timeout",
+        "20s",
+        "--lock-ttl",
+        "25s",
+        "--db-statement-timeout",
+        "20s",
+        "--cache-strategy",
+        a.strategy.as_str(),
+    ];
+    let watcher = Builder::from_config(Config::from_url(&env.redis_url).unwrap())
+        .build_subscriber_client()
+        .unwrap();
+    watcher.init().await.unwrap();
+
+    println!(
+        "stampede: {} requests on a cold key over {} instances ({}), {} rounds",
+        a.requests, a.instances, a.strategy, a.rounds
+    );
+    println!("| round | db reads | redis cmds | cmds/request | miss | coalesced | after publish p50 ms | p99 ms | max ms |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut all_after = Vec::new();
+    let mut total_reads = Vec::new();
+    let mut total_cmds = 0;
+    for round in 1..=a.rounds {
+        let id = round as i64;
+        let reads_before = env.post_reads().await;
+        let apps: Vec<TestApp> = join_all((0..a.instances).map(|_| env.spawn(&flags))).await;
+        let published = watch_publish(&watcher, &env.keys.channel(id)).await;
+        let cmds_before = commandstats(&env.redis).await;
+        let lock = TableLock::take(&env).await;
+
+        let requests: Vec<_> = (0..a.requests)
+            .map(|i| {
+                let app = &apps[i % apps.len()];
+                let (http, url) = (app.http.clone(), format!("{}/posts/{id}", app.base));
+                tokio::spawn(async move {
+                    let r = http.get(url).send().await.expect("request failed");
+                    let x = r
+                        .headers()
+                        .get("x-cache")
+                        .map(|v| v.to_str().unwrap().to_owned());
+                    let status = r.status().as_u16();
+                    let _ = r.bytes().await;
+                    (status, x, Instant::now())
+                })
+            })
+            .collect();
+        while apps.iter().map(TestApp::reads_in_progress).sum::<usize>() < a.requests
+            || blocked_loads(&env).await < 1
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        lock.release().await;
+        let results: Vec<_> = join_all(requests)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let published_at = tokio::time::timeout(Duration::from_secs(5), published)
+            .await
+            .expect("no publish seen")
+            .unwrap();
+        let cmds_after = commandstats(&env.redis).await;
+        for app in apps {
+            app.stop().await;
+        }
+        let reads = env.post_reads().await - reads_before;
+
+        let cmds: u64 = cmds_after
+            .iter()
+            .map(|(name, calls)| calls - cmds_before.get(name).copied().unwrap_or(0))
+            .sum::<u64>()
+            - 1; // the INFO that took the second reading
+        total_cmds += cmds;
+        let count = |t: &str| results.iter().filter(|r| r.1.as_deref() == Some(t)).count();
+        assert!(results.iter().all(|r| r.0 == 200), "a request failed");
+        let mut after: Vec<Duration> = results
+            .iter()
+            .filter(|r| r.1.as_deref() == Some("coalesced"))
+            .map(|r| r.2.saturating_duration_since(published_at))
+            .collect();
+        after.sort();
+        println!(
+            "| {round} | {reads} | {cmds} | {:.3} | {} | {} | {} | {} | {} |",
+            cmds as f64 / a.requests as f64,
+            count("miss"),
+            count("coalesced"),
+            ms(percentile(&after, 0.5)),
+            ms(percentile(&after, 0.99)),
+            ms(percentile(&after, 1.0)),
+        );
+        all_after.extend(after);
+        total_reads.push(reads);
+    }
+    all_after.sort();
+    println!();
+    println!(
+        "summary: db reads per stampede min {} max {}; redis commands per request {:.3}; \
+         waiter answer after publish p50 {} ms, p99 {} ms",
+        total_reads.iter().min().unwrap(),
+        total_reads.iter().max().unwrap(),
+        total_cmds as f64 / (a.requests * a.rounds) as f64,
+        ms(percentile(&all_after, 0.5)),
+        ms(percentile(&all_after, 0.99)),
+    );
+}
+
+/// Resolves with the instant the benchmark's own subscriber saw a publish on `channel`.
+async fn watch_publish(
+    watcher: &SubscriberClient,
+    channel: &str,
+) -> tokio::task::JoinHandle<Instant> {
+    let mut rx = watcher.message_rx();
+    watcher.subscribe(channel).await.unwrap();
+    let channel = channel.to_owned();
+    tokio::spawn(async move {
+        loop {
+            let m = rx.recv().await.unwrap();
+            if *m.channel == *channel {
+                return Instant::now();
+            }
+        }
+    })
+}

@@ -1,0 +1,273 @@
+//! The HTTP contract and plain cache-aside, against the real servers.
+
+mod support;
+
+use std::time::Duration;
+
+use fred::prelude::*;
+use postcache::cache::{Jitter, Status};
+use support::TestEnv;
+
+#[tokio::test]
+async fn a_post_is_served_as_json_first_as_a_miss_then_as_a_hit() {
+    let env = TestEnv::new(3).await;
+    let app = env.spawn(&[]).await;
+
+    let first = app.get("/posts/2").await;
+    let second = app.get("/posts/2").await;
+
+    assert_eq!(first.status, 200);
+    assert_eq!(first.x_cache.as_deref(), Some("miss"));
+    assert_eq!(first.content_type.as_deref(), Some("application/json"));
+    let post = first.json();
+    assert_eq!(post["id"], 2);
+    for field in ["title", "body", "author", "created_at", "updated_at"] {
+        assert!(post[field].is_string(), "{field} missing in {post}");
+    }
+    assert_eq!(second.status, 200);
+    assert_eq!(second.x_cache.as_deref(), Some("hit"));
+    assert_eq!(second.body, first.body, "a hit serves the same bytes");
+}
+
+#[tokio::test]
+async fn every_invalid_id_answers_400_with_a_json_error() {
+    let env = TestEnv::new(1).await;
+    let app = env.spawn(&[]).await;
+    let long = "1".repeat(10_000);
+    let bad = [
+        "abc",
+        "0",
+        "-1",
+        "1.5",
+        "+1",
+        "9223372036854775808",
+        "99999999999999999999999",
+        "",
+        long.as_str(),
+        "%20",
+        "1%20",
+        "%FF",
+        "1e3",
+    ];
+    for id in bad {
+        let reply = app.get(&format!("/posts/{id}")).await;
+        assert_eq!(reply.status, 400, "/posts/{id} gave {}", reply.status);
+        assert_eq!(reply.content_type.as_deref(), Some("application/json"));
+        assert!(!reply.error().is_empty());
+    }
+    let max = app.get("/posts/9223372036854775807").await;
+    assert_eq!(max.status, 404, "the largest id is valid (and absent)");
+}
+
+#[tokio::test]
+async fn an_unknown_post_is_404_and_cached_as_not_found_for_the_negative_ttl() {
+    let env = TestEnv::new(1).await;
+    let app = env
+        .spawn(&["--negative-ttl", "4s", "--ttl-jitter", "0.25"])
+        .await;
+
+    let first = app.get("/posts/77").await;
+    let second = app.get("/posts/77").await;
+
+    assert_eq!(
+        (first.status, first.x_cache.as_deref()),
+        (404, Some("miss"))
+    );
+    assert_eq!(first.error(), "post not found");
+    assert_eq!(
+        (second.status, second.x_cache.as_deref()),
+        (404, Some("hit"))
+    );
+    let entry = env.stored(77).await.expect("a not-found entry is stored");
+    assert_eq!(entry.status(), Status::NotFound);
+    let pttl = env.pttl(&env.keys.value(77)).await;
+    assert!(
+        (2_900..=5_000).contains(&pttl),
+        "PTTL {pttl} outside 4s ± 25%"
+    );
+}
+
+#[tokio::test]
+async fn a_hit_does_not_query_postgres() {
+    let env = TestEnv::new(5).await;
+    let before = env.post_reads().await;
+    let app = env.spawn(&[]).await;
+
+    let miss = app.get("/posts/3").await;
+    for _ in 0..20 {
+        assert_eq!(app.get("/posts/3").await.x_cache.as_deref(), Some("hit"));
+    }
+    app.stop().await;
+
+    assert_eq!(miss.x_cache.as_deref(), Some("miss"));
+    assert_eq!(
+        env.post_reads().await - before,
+        1,
+        "one load, then only hits"
+    );
+}
+
+#[tokio::test]
+async fn the_stored_ttl_lies_inside_the_jitter_window() {
+    let env = TestEnv::new(40).await;
+    let app = env
+        .spawn(&["--cache-ttl", "60s", "--ttl-jitter", "0.1"])
+        .await;
+    let (lo, hi) = Jitter::new(0.1).window(Duration::from_secs(60));
+
+    let mut pttls = Vec::new();
+    for id in 1..=40 {
+        assert_eq!(app.get(&format!("/posts/{id}")).await.status, 200);
+        pttls.push(env.pttl(&env.keys.value(id)).await);
+    }
+
+    for pttl in &pttls {
+        // A few ms may pass between SET and PTTL.
+        assert!(
+            (lo.as_millis() as i64 - 1_000..=hi.as_millis() as i64).contains(pttl),
+            "PTTL {pttl} outside [{lo:?}, {hi:?}]"
+        );
+    }
+    let spread = pttls.iter().max().unwrap() - pttls.iter().min().unwrap();
+    assert!(
+        spread > 1_000,
+        "40 TTLs spread over only {spread} ms: no jitter?"
+    );
+}
+
+#[tokio::test]
+async fn an_undecodable_entry_is_a_miss_and_gets_replaced() {
+    let env = TestEnv::new(2).await;
+    let app = env.spawn(&[]).await;
+    let key = env.keys.value(2);
+    for garbage in [
+        &b"not an entry"[..],
+        b"",
+        b"\x01\x07garbage-garbage-garbage-!",
+    ] {
+        let _: () = env
+            .redis
+            .set(
+                &key,
+                garbage,
+                Some(fred::types::Expiration::EX(60)),
+                None,
+                false,
+            )
+            .await
+            .unwrap();
+
+        let reply = app.get("/posts/2").await;
+
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.x_cache.as_deref(), Some("miss"));
+        assert_eq!(reply.json()["id"], 2);
+        let stored = env.stored(2).await.expect("replaced by a real entry");
+        assert_eq!(stored.status(), Status::Found);
+        assert_eq!(stored.body(), reply.body);
+    }
+}
+
+#[tokio::test]
+async fn unknown_routes_are_404_and_wrong_methods_405_both_in_json() {
+    let env = TestEnv::new(1).await;
+    let app = env.spawn(&[]).await;
+
+    let unknown = app.get("/nothing/here").await;
+    let post = app.request(reqwest::Method::POST, "/posts/1").await;
+    let delete = app.request(reqwest::Method::DELETE, "/healthz").await;
+
+    assert_eq!(unknown.status, 404);
+    assert!(!unknown.error().is_empty());
+    for reply in [post, delete] {
+        assert_eq!(reply.status, 405);
+        assert!(!reply.error().is_empty());
+    }
+}
+
+#[tokio::test]
+async fn healthz_is_ok_and_readyz_reports_both_backends() {
+    let env = TestEnv::new(1).await;
+    let app = env.spawn(&[]).await;
+
+    let health = app.get("/healthz").await;
+    let ready = app.get("/readyz").await;
+
+    assert_eq!(health.status, 200);
+    assert_eq!(ready.status, 200);
+    assert_eq!(ready.json()["postgres"], "up");
+    assert_eq!(ready.json()["redis"], "up");
+}
+
+#[tokio::test]
+async fn readyz_says_which_backend_is_down() {
+    let env = TestEnv::new(1).await;
+    let closed = closed_port();
+    let no_redis = env
+        .spawn(&[
+            "--redis-url",
+            &format!("redis://127.0.0.1:{closed}"),
+            "--redis-timeout",
+            "100ms",
+        ])
+        .await;
+    let no_postgres = env
+        .spawn(&[
+            "--database-url",
+            &format!("postgres://postgres@127.0.0.1:{closed}/x"),
+            "--db-acquire-timeout",
+            "300ms",
+        ])
+        .await;
+
+    let r = no_redis.get("/readyz").await;
+    let p = no_postgres.get("/readyz").await;
+
+    assert_eq!(r.status, 503);
+    assert_eq!(
+        (r.json()["postgres"].as_str(), r.json()["redis"].as_str()),
+        (Some("up"), Some("down"))
+    );
+    assert_eq!(p.status, 503);
+    assert_eq!(
+        (p.json()["postgres"].as_str(), p.json()["redis"].as_str()),
+        (Some("down"), Some("up"))
+    );
+}
+
+#[tokio::test]
+async fn a_request_in_flight_finishes_after_the_shutdown_signal() {
+    let env = TestEnv::new(1).await;
+    let app = env
+        .spawn(&[
+            "--wait-timeout",
+            "10s",
+            "--lock-ttl",
+            "15s",
+            "--db-statement-timeout",
+            "10s",
+        ])
+        .await;
+    let lock = support::TableLock::take(&env).await;
+    let pending = {
+        let (http, base) = (app.http.clone(), app.base.clone());
+        tokio::spawn(async move { http.get(format!("{base}/posts/1")).send().await })
+    };
+    while support::blocked_loads(&env).await == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let stopping = tokio::spawn(app.stop());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    lock.release().await;
+
+    let reply = pending.await.unwrap().expect("the request was answered");
+    assert_eq!(reply.status(), 200);
+    stopping.await.unwrap();
+}
+
+/// A local port with nothing listening on it.
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}

@@ -1,0 +1,416 @@
+//! Fleet-wide single-flight: one load per key for every instance, waiters woken by pub/sub.
+
+mod support;
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use fred::prelude::*;
+use futures::future::join_all;
+use postcache::{
+    cache::{Entry, Status},
+    flight::{Hooks, RedisCommands},
+};
+use support::{blocked_loads, TableLock, TestApp, TestEnv};
+
+/// Settings for tests that hold a load back: generous bounds, so only the
+/// behaviour under test decides the outcome.
+const PATIENT: &[&str] = &[
+    "--wait-timeout",
+    "20s",
+    "--lock-ttl",
+    "25s",
+    "--db-statement-timeout",
+    "20s",
+];
+
+/// Fires `n` requests for `path`, spread round-robin over `apps`.
+fn fire(
+    apps: &[TestApp],
+    path: &str,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<(support::Reply, Instant)>> {
+    (0..n)
+        .map(|i| {
+            let app = &apps[i % apps.len()];
+            let (http, url) = (app.http.clone(), format!("{}{path}", app.base));
+            tokio::spawn(async move {
+                let response = http.get(url).send().await.expect("request failed");
+                let status = response.status().as_u16();
+                let headers = response.headers().clone();
+                let x_cache = headers
+                    .get("x-cache")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                let body = response.bytes().await.unwrap();
+                let done = Instant::now();
+                (
+                    support::Reply {
+                        status,
+                        x_cache,
+                        content_type: None,
+                        body,
+                        headers,
+                    },
+                    done,
+                )
+            })
+        })
+        .collect()
+}
+
+async fn in_progress(apps: &[TestApp]) -> usize {
+    apps.iter().map(TestApp::reads_in_progress).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thousand_concurrent_misses_over_three_instances_make_one_query() {
+    let env = TestEnv::new(10).await;
+    let before = env.post_reads().await;
+    let apps = join_all((0..3).map(|_| env.spawn(PATIENT))).await;
+    let lock = TableLock::take(&env).await;
+
+    // Every request is inside the service before the leader's load may finish.
+    let requests = fire(&apps, "/posts/7", 1000);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while in_progress(&apps).await < 1000 || blocked_loads(&env).await < 1 {
+        assert!(Instant::now() < deadline, "requests did not all arrive");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    lock.release().await;
+    let replies: Vec<_> = join_all(requests)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().0)
+        .collect();
+    for app in apps {
+        app.stop().await;
+    }
+
+    assert!(replies.iter().all(|r| r.status == 200));
+    assert!(
+        replies.iter().all(|r| r.body == replies[0].body),
+        "bodies differ"
+    );
+    let count = |tag: &str| {
+        replies
+            .iter()
+            .filter(|r| r.x_cache.as_deref() == Some(tag))
+            .count()
+    };
+    assert_eq!((count("miss"), count("coalesced")), (1, 999));
+    assert_eq!(
+        env.post_reads().await - before,
+        1,
+        "PostgreSQL saw more than one read"
+    );
+    assert_eq!(
+        env.pttl(&env.keys.lock(7)).await,
+        -2,
+        "the lock was released"
+    );
+    let channel = env.keys.channel(7);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while env.numsub(&channel).await != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the ready channel kept subscribers"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_answer_within_milliseconds_of_the_release_not_a_poll_later() {
+    let env = TestEnv::new(10).await;
+    let apps = join_all((0..2).map(|_| env.spawn(PATIENT))).await;
+    let lock = TableLock::take(&env).await;
+    let requests = fire(&apps, "/posts/3", 40);
+    while in_progress(&apps).await < 40 || blocked_loads(&env).await < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let released = lock.release().await;
+    let results: Vec<_> = join_all(requests)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+
+    let mut after: Vec<Duration> = results.iter().map(|(_, done)| *done - released).collect();
+    after.sort();
+    let (median, max) = (after[after.len() / 2], after[after.len() - 1]);
+    assert!(results.iter().all(|(r, _)| r.status == 200));
+    // A poller with the default 100 ms interval would add 50 ms on average.
+    assert!(
+        median < Duration::from_millis(40),
+        "median {median:?} after the release"
+    );
+    assert!(
+        max < Duration::from_millis(250),
+        "slowest {max:?} after the release"
+    );
+}
+
+#[tokio::test]
+async fn a_value_written_from_outside_without_publish_is_found_by_the_recheck() {
+    let env = TestEnv::new(10).await;
+    let (value_key, lock_key) = (env.keys.value(4), env.keys.lock(4));
+    let _: () = env
+        .redis
+        .set(
+            &lock_key,
+            "outsider",
+            Some(Expiration::PX(20_000)),
+            None,
+            false,
+        )
+        .await
+        .unwrap();
+    // The outsider's value lands after the waiter's first GET and before its
+    // re-check, and nobody publishes: only the re-check can find it.
+    let writer = env.redis.clone();
+    let entry = Entry::new(
+        Status::Found,
+        br#"{"id":4,"from":"outside"}"#,
+        Duration::from_secs(60),
+        Duration::ZERO,
+    );
+    let hooks = Hooks {
+        before_recheck: Some(Arc::new(move |key: String| {
+            let (writer, raw) = (writer.clone(), entry.raw().clone());
+            Box::pin(async move {
+                let _: () = writer
+                    .set(key, raw, Some(Expiration::EX(60)), None, false)
+                    .await
+                    .unwrap();
+            })
+        })),
+    };
+    let app = env.spawn_with_hooks(PATIENT, hooks).await;
+
+    let started = Instant::now();
+    let reply = app.get("/posts/4").await;
+
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.x_cache.as_deref(), Some("coalesced"));
+    assert_eq!(&reply.body[..], br#"{"id":4,"from":"outside"}"#);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "waited {:?}",
+        started.elapsed()
+    );
+    assert!(env.pttl(&value_key).await > 0);
+    assert!(
+        env.pttl(&lock_key).await > 0,
+        "the outsider's lock is not ours to delete"
+    );
+}
+
+#[tokio::test]
+async fn a_lock_nobody_fills_is_taken_over_after_its_expiry_with_one_query() {
+    let env = TestEnv::new(10).await;
+    let before = env.post_reads().await;
+    let _: () = env
+        .redis
+        .set(
+            env.keys.lock(5),
+            "crashed-leader",
+            Some(Expiration::PX(700)),
+            None,
+            false,
+        )
+        .await
+        .unwrap();
+    let app = env.spawn(&["--wait-timeout", "5s"]).await;
+
+    let started = Instant::now();
+    let replies = join_all((0..20).map(|_| app.get("/posts/5"))).await;
+    let took = started.elapsed();
+    app.stop().await;
+
+    assert!(replies.iter().all(|r| r.status == 200));
+    assert!(
+        took >= Duration::from_millis(600),
+        "answered before the lock expired: {took:?}"
+    );
+    assert!(
+        took < Duration::from_millis(2_500),
+        "took {took:?} after a 700 ms lock"
+    );
+    assert_eq!(env.post_reads().await - before, 1);
+}
+
+#[tokio::test]
+async fn a_lock_held_past_wait_timeout_gives_504_in_json() {
+    let env = TestEnv::new(10).await;
+    let _: () = env
+        .redis
+        .set(
+            env.keys.lock(6),
+            "stuck",
+            Some(Expiration::PX(10_000)),
+            None,
+            false,
+        )
+        .await
+        .unwrap();
+    let app = env.spawn(&["--wait-timeout", "400ms"]).await;
+
+    let started = Instant::now();
+    let reply = app.get("/posts/6").await;
+
+    assert_eq!(reply.status, 504);
+    assert!(!reply.error().is_empty());
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(390) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_load_gives_503_to_every_waiter_at_once_and_recovers_after_repair() {
+    let env = TestEnv::new(10).await;
+    let apps = join_all((0..2).map(|_| env.spawn(PATIENT))).await;
+    let mut lock = TableLock::take(&env).await;
+    let requests = fire(&apps, "/posts/8", 50);
+    while in_progress(&apps).await < 50 || blocked_loads(&env).await < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Break the table under the blocked leader, then let it go.
+    let tx = lock.tx_mut_for_test();
+    sqlx::query("alter table posts rename to posts_away")
+        .execute(&mut **tx)
+        .await
+        .unwrap();
+    let released = lock.commit().await;
+    let results: Vec<_> = join_all(requests)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+
+    assert!(
+        results.iter().all(|(r, _)| r.status == 503),
+        "{:?}",
+        results.iter().map(|(r, _)| r.status).collect::<Vec<_>>()
+    );
+    let slowest = results
+        .iter()
+        .map(|(_, done)| *done - released)
+        .max()
+        .unwrap();
+    assert!(
+        slowest < Duration::from_secs(1),
+        "waiters learnt of the failure after {slowest:?}"
+    );
+    assert_eq!(
+        env.pttl(&env.keys.lock(8)).await,
+        -2,
+        "the failed leader released its lock"
+    );
+
+    sqlx::query("alter table posts_away rename to posts")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    let after = apps[0].get("/posts/8").await;
+    assert_eq!(after.status, 200);
+}
+
+#[tokio::test]
+async fn a_leader_whose_lock_expired_does_not_delete_the_new_leaders_lock() {
+    let env = TestEnv::new(0).await;
+    let commands = RedisCommands::new(env.redis.clone(), Duration::from_secs(1));
+    let (value, lock, channel) = (env.keys.value(9), env.keys.lock(9), env.keys.channel(9));
+    assert!(commands
+        .try_lock(&lock, "old-leader", Duration::from_millis(50))
+        .await
+        .unwrap());
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    assert!(commands
+        .try_lock(&lock, "new-leader", Duration::from_secs(10))
+        .await
+        .unwrap());
+
+    let entry = Entry::new(
+        Status::Found,
+        b"{}",
+        Duration::from_secs(60),
+        Duration::ZERO,
+    );
+    let released = commands
+        .finish(
+            &value,
+            &lock,
+            &channel,
+            "old-leader",
+            &entry,
+            Some(Duration::from_secs(60)),
+        )
+        .await
+        .unwrap();
+
+    assert!(!released);
+    let holder: Option<String> = env.redis.get(&lock).await.unwrap();
+    assert_eq!(holder.as_deref(), Some("new-leader"));
+    assert!(commands
+        .finish(&value, &lock, &channel, "new-leader", &entry, None)
+        .await
+        .unwrap());
+    assert_eq!(env.pttl(&lock).await, -2);
+}
+
+#[tokio::test]
+async fn after_a_burst_no_subscriber_and_no_lock_remain() {
+    let env = TestEnv::new(20).await;
+    let apps = join_all((0..2).map(|_| env.spawn(&[]))).await;
+
+    for round in 0..3 {
+        let ids: Vec<i64> = (1..=20).collect();
+        let replies = join_all(ids.iter().flat_map(|id| {
+            let path = format!("/posts/{id}");
+            apps.iter().map(move |app| {
+                let path = path.clone();
+                async move { app.get(&path).await }
+            })
+        }))
+        .await;
+        assert!(replies.iter().all(|r| r.status == 200), "round {round}");
+        let _: () = env
+            .redis
+            .del(ids.iter().map(|id| env.keys.value(*id)).collect::<Vec<_>>())
+            .await
+            .unwrap();
+    }
+
+    for id in 1..=20 {
+        assert_eq!(
+            env.pttl(&env.keys.lock(id)).await,
+            -2,
+            "lock of {id} left behind"
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut subscribed = 0;
+        for id in 1..=20 {
+            subscribed += env.numsub(&env.keys.channel(id)).await;
+        }
+        let local: usize = apps
+            .iter()
+            .map(|a| a.state.read_path.subscriber().channels())
+            .sum();
+        if subscribed == 0 && local == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{subscribed} subscriptions, {local} local channels left"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
