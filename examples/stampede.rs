@@ -56,7 +56,7 @@ fn args() -> Args {
 
 async fn commandstats(redis: &Client) -> HashMap<String, u64> {
     let info: String = redis
-        .info(Some(fred::types::InfoKind::Commandstats))
+        .info(Some(fred::types::InfoKind::CommandStats))
         .await
         .unwrap();
     info.lines()

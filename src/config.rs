@@ -88,6 +88,14 @@ pub struct ServeArgs {
     /// Do not apply pending migrations at start.
     #[arg(long, env = "NO_MIGRATE")]
     pub no_migrate: bool,
+
+    /// Most requests handled at once; past it, a fast 503 (load shedding).
+    #[arg(long, env = "MAX_IN_FLIGHT", default_value_t = 16_384)]
+    pub max_in_flight: usize,
+
+    /// Longest any request may take before a 503 (a backstop over every other bound).
+    #[arg(long, env = "REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub request_timeout: Duration,
 }
 
 /// How a read finds its way from Redis to PostgreSQL (see the load-lab issue).
@@ -151,11 +159,41 @@ pub struct CacheSettings {
     /// How often `poll` waiters re-read the value.
     #[arg(long, env = "POLL_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
+
+    /// Grace window after CACHE_TTL in which a stale post is served at once while
+    /// one background refresh runs for the whole fleet (0 = off).
+    #[arg(long, env = "STALE_WHILE_REVALIDATE", default_value = "0s", value_parser = parse_duration)]
+    pub stale_while_revalidate: Duration,
+
+    /// XFetch β for probabilistic early refresh of fresh hits (0 = off; 1 is the usual value).
+    #[arg(long, env = "EARLY_REFRESH_BETA", default_value_t = 0.0, value_parser = parse_beta)]
+    pub early_refresh_beta: f64,
+
+    /// How long past freshness a fail-safe copy is kept, served when a load fails (0 = off).
+    #[arg(long, env = "MAX_STALE", default_value = "1h", value_parser = parse_duration)]
+    pub max_stale: Duration,
+
+    /// How long a failed load is remembered fleet-wide: no retry of the database
+    /// for the key meanwhile (503 at once, or the fail-safe copy) (0 = off).
+    #[arg(long, env = "FAILURE_TTL", default_value = "2s", value_parser = parse_duration)]
+    pub failure_ttl: Duration,
 }
 
 /// Parses `250ms`, `5s`, `2m` (any humantime duration).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s.trim()).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+fn parse_beta(s: &str) -> Result<f64, String> {
+    let b: f64 = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("invalid beta {s:?}: {e}"))?;
+    if b.is_finite() && b >= 0.0 {
+        Ok(b)
+    } else {
+        Err(format!("beta must be a finite number >= 0, got {b}"))
+    }
 }
 
 fn parse_jitter(s: &str) -> Result<f64, String> {
@@ -180,12 +218,17 @@ impl ServeArgs {
         anyhow::ensure!(!c.wait_timeout.is_zero(), "WAIT_TIMEOUT must be positive");
         anyhow::ensure!(!c.redis_timeout.is_zero(), "REDIS_TIMEOUT must be positive");
         anyhow::ensure!(!c.poll_interval.is_zero(), "POLL_INTERVAL must be positive");
-        anyhow::ensure!(
-            self.database.db_statement_timeout < c.lock_ttl,
-            "DB_STATEMENT_TIMEOUT ({:?}) must be below LOCK_TTL ({:?}) so a leader cannot outlive its lock",
-            self.database.db_statement_timeout,
-            c.lock_ttl
-        );
+        anyhow::ensure!(self.max_in_flight > 0, "MAX_IN_FLIGHT must be positive");
+        anyhow::ensure!(!self.request_timeout.is_zero(), "REQUEST_TIMEOUT must be positive");
+        if self.database.db_statement_timeout >= c.lock_ttl {
+            // Allowed: the watchdog extends the lock of a live leader. But a
+            // dead leader's lock then expires before its query would have.
+            tracing::warn!(
+                statement_timeout = ?self.database.db_statement_timeout,
+                lock_ttl = ?c.lock_ttl,
+                "DB_STATEMENT_TIMEOUT is not below LOCK_TTL; the lock watchdog covers live leaders only"
+            );
+        }
         Ok(())
     }
 }
@@ -221,6 +264,9 @@ mod tests {
         assert_eq!(s.cache.wait_timeout, Duration::from_secs(3));
         assert_eq!(s.cache.negative_ttl, Duration::from_secs(10));
         assert_eq!(s.cache.cache_strategy, Strategy::Pubsub);
+        assert_eq!(s.cache.stale_while_revalidate, Duration::ZERO);
+        assert_eq!(s.cache.max_stale, Duration::from_secs(3600));
+        assert_eq!(s.cache.failure_ttl, Duration::from_secs(2));
         s.validate().expect("defaults are consistent");
     }
 }

@@ -44,6 +44,10 @@ pub async fn migrate(settings: &DatabaseSettings) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How often PostgreSQL checks that the client of a running query is still
+/// there: the query of a killed leader is cancelled instead of running on.
+const CLIENT_CHECK_INTERVAL: &str = "1000";
+
 /// A lazily connecting pool whose connections carry the statement timeout.
 ///
 /// Lazy so that the service starts (and fails open per request, with 503)
@@ -53,7 +57,10 @@ pub async fn connect(settings: &DatabaseSettings) -> anyhow::Result<PgPool> {
     let options = PgConnectOptions::from_str(&settings.database_url)
         .context("invalid DATABASE_URL")?
         .application_name("postcache")
-        .options([("statement_timeout", timeout_ms.as_str())]);
+        .options([
+            ("statement_timeout", timeout_ms.as_str()),
+            ("client_connection_check_interval", CLIENT_CHECK_INTERVAL),
+        ]);
     Ok(PgPoolOptions::new()
         .max_connections(settings.db_max_connections)
         .acquire_timeout(settings.db_acquire_timeout)

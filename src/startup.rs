@@ -1,6 +1,6 @@
 //! Builds the service from its settings, binds, and runs until a shutdown future.
 
-use std::{future::Future, net::SocketAddr, time::Duration};
+use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use axum::Router;
@@ -15,13 +15,17 @@ use crate::{
     cache::{Jitter, Keys},
     config::ServeArgs,
     db,
-    flight::{self, Hooks, ReadPath, RedisCommands, Subscriber},
-    http::{self, AppState},
+    flight::{self, Breaker, Hooks, ReadPath, RedisCommands, Subscriber},
+    http::{self, AppState, Limits},
     posts::{PostSource, PostStore},
+    telemetry,
 };
 
 /// Longest the service waits for Redis at start before serving fail-open.
 const REDIS_STARTUP_WAIT: Duration = Duration::from_secs(2);
+/// Longest a shutdown waits for running flights and refreshes (so that a
+/// leader still publishes its outcome and releases its lock).
+const DRAIN_LIMIT: Duration = Duration::from_secs(10);
 /// Reconnect delays: from 50 ms doubling up to 1 s, for ever.
 const RECONNECT_MIN_MS: u32 = 50;
 const RECONNECT_MAX_MS: u32 = 1_000;
@@ -49,11 +53,12 @@ impl Application {
         let pool = db::connect(&args.database).await?;
         let (redis, subscriber) = connect_redis(&args).await?;
         let c = &args.cache;
+        let breaker = Arc::new(Breaker::default());
         let read_path = ReadPath::new(
             PostSource::new(PostStore::new(pool.clone())),
             Keys::new(c.key_prefix.clone(), "post"),
-            RedisCommands::new(redis.clone(), c.redis_timeout),
-            Subscriber::start(subscriber.clone(), c.redis_timeout),
+            RedisCommands::with_breaker(redis.clone(), c.redis_timeout, breaker.clone()),
+            Subscriber::start(subscriber.clone(), c.redis_timeout, breaker),
             flight::Settings {
                 strategy: c.cache_strategy,
                 cache_ttl: c.cache_ttl,
@@ -62,18 +67,27 @@ impl Application {
                 lock_ttl: c.lock_ttl,
                 wait_timeout: c.wait_timeout,
                 poll_interval: c.poll_interval,
+                stale_while_revalidate: c.stale_while_revalidate,
+                early_refresh_beta: c.early_refresh_beta,
+                max_stale: c.max_stale,
+                failure_ttl: c.failure_ttl,
                 hooks,
             },
         );
         let state = AppState {
             read_path,
             db: pool,
+            metrics: telemetry::metrics::install(),
+        };
+        let limits = Limits {
+            max_in_flight: args.max_in_flight,
+            request_timeout: args.request_timeout,
         };
         let listener = TcpListener::bind(args.listen_addr)
             .await
             .with_context(|| format!("failed to bind {}", args.listen_addr))?;
         Ok(Self {
-            router: http::app(state.clone()),
+            router: http::app(state.clone(), limits),
             listener,
             state,
             redis,
@@ -102,7 +116,10 @@ impl Application {
             .with_graceful_shutdown(shutdown)
             .await
             .context("server failed")?;
-        tracing::info!("stopped accepting; closing connections");
+        tracing::info!("stopped accepting; finishing flights and refreshes");
+        if !self.state.read_path.drain(DRAIN_LIMIT).await {
+            tracing::warn!("flights still running at shutdown; their locks expire by themselves");
+        }
         let _ = self.subscriber.quit().await;
         let _ = self.redis.quit().await;
         self.state.db.close().await;

@@ -7,11 +7,16 @@
 //! offset  size  field
 //! 0       1     version (1)
 //! 1       1     status: 0 found, 1 not found, 2 failed (messages and failure markers)
-//! 2       8     stored_at, unix milliseconds, big endian
-//! 10      8     fresh_until, unix milliseconds: the logical freshness deadline
-//! 18      4     load time of the load that produced it, microseconds
-//! 22      ..    body (found only)
+//! 2       1     flags: bit 0 BACKOFF, a stale copy re-served after a failed load
+//! 3       8     stored_at, unix milliseconds, big endian
+//! 11      8     fresh_until, unix milliseconds: the logical freshness deadline
+//! 19      4     load time of the load that produced it, microseconds
+//! 23      8     ETag: xxh3-64 of the body
+//! 31      ..    body (found only)
 //! ```
+//!
+//! The finish script (`flight/redis.rs`) reads the status byte and sets the
+//! flags byte of stored entries: keep their offsets in step.
 //!
 //! Anything that does not decode is treated by callers as absent (a miss),
 //! never as an error to the client.
@@ -23,7 +28,10 @@ use bytes::{BufMut, Bytes, BytesMut};
 /// The only envelope version this build writes and reads.
 const VERSION: u8 = 1;
 /// Bytes before the body.
-const HEADER_LEN: usize = 22;
+const HEADER_LEN: usize = 31;
+/// Flag: a stale copy stored after a failed load, served until it expires
+/// (the backoff), without triggering refreshes.
+const FLAG_BACKOFF: u8 = 1;
 
 /// What a load found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,9 +61,11 @@ pub enum DecodeError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
     status: Status,
+    flags: u8,
     stored_at: u64,
     fresh_until: u64,
     load_micros: u32,
+    etag: u64,
     raw: Bytes,
 }
 
@@ -73,6 +83,7 @@ impl Entry {
         let fresh_until = stored_at.saturating_add(fresh_for.as_millis() as u64);
         let load_micros = u32::try_from(load_time.as_micros()).unwrap_or(u32::MAX);
         let body = if status == Status::Found { body } else { &[] };
+        let etag = xxhash_rust::xxh3::xxh3_64(body);
         let mut buf = BytesMut::with_capacity(HEADER_LEN + body.len());
         buf.put_u8(VERSION);
         buf.put_u8(match status {
@@ -80,20 +91,24 @@ impl Entry {
             Status::NotFound => 1,
             Status::Failed => 2,
         });
+        buf.put_u8(0);
         buf.put_u64(stored_at);
         buf.put_u64(fresh_until);
         buf.put_u32(load_micros);
+        buf.put_u64(etag);
         buf.put_slice(body);
         Self {
             status,
+            flags: 0,
             stored_at,
             fresh_until,
             load_micros,
+            etag,
             raw: buf.freeze(),
         }
     }
 
-    /// Reads an envelope; never panics, whatever the bytes.
+    /// Reads an envelope; never panics, whatever the bytes (see the property test).
     pub fn decode(raw: Bytes) -> Result<Self, DecodeError> {
         if raw.len() < HEADER_LEN {
             return Err(DecodeError::Truncated(raw.len()));
@@ -116,12 +131,14 @@ impl Entry {
             u64::from_be_bytes(b)
         };
         let mut load = [0u8; 4];
-        load.copy_from_slice(&raw[18..22]);
+        load.copy_from_slice(&raw[19..23]);
         Ok(Self {
             status,
-            stored_at: u64_at(2),
-            fresh_until: u64_at(10),
+            flags: raw[2],
+            stored_at: u64_at(3),
+            fresh_until: u64_at(11),
             load_micros: u32::from_be_bytes(load),
+            etag: u64_at(23),
             raw,
         })
     }
@@ -148,6 +165,21 @@ impl Entry {
     /// Its logical freshness deadline, unix milliseconds.
     pub fn fresh_until(&self) -> u64 {
         self.fresh_until
+    }
+
+    /// Whether it is still fresh at `now` (unix milliseconds).
+    pub fn is_fresh(&self, now: u64) -> bool {
+        now < self.fresh_until
+    }
+
+    /// A stale copy re-served after a failed load: serve it, do not refresh.
+    pub fn is_backoff(&self) -> bool {
+        self.flags & FLAG_BACKOFF != 0
+    }
+
+    /// A strong validator over the body, stable across instances and builds.
+    pub fn etag(&self) -> u64 {
+        self.etag
     }
 
     /// How long the load that produced it took.
@@ -186,6 +218,26 @@ mod tests {
     }
 
     #[test]
+    fn the_etag_follows_the_body_only() {
+        let a = Entry::new(Status::Found, b"one", Duration::from_secs(1), Duration::ZERO);
+        let b = Entry::new(Status::Found, b"one", Duration::from_secs(9), Duration::from_millis(2));
+        let c = Entry::new(Status::Found, b"two", Duration::from_secs(1), Duration::ZERO);
+        assert_eq!(a.etag(), b.etag());
+        assert_ne!(a.etag(), c.etag());
+    }
+
+    #[test]
+    fn the_backoff_flag_is_read_from_its_byte() {
+        let e = Entry::new(Status::Found, b"x", Duration::from_secs(1), Duration::ZERO);
+        assert!(!e.is_backoff());
+        let mut raw = e.raw().to_vec();
+        raw[2] = FLAG_BACKOFF;
+        let d = Entry::decode(Bytes::from(raw)).unwrap();
+        assert!(d.is_backoff());
+        assert_eq!(d.body(), e.body());
+    }
+
+    #[test]
     fn garbage_is_an_error_not_a_panic() {
         for raw in [
             &b""[..],
@@ -203,6 +255,31 @@ mod tests {
                 Entry::decode(Bytes::copy_from_slice(raw)).is_err(),
                 "{raw:?}"
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn any_bytes_decode_to_an_entry_or_a_clean_error(raw in proptest::collection::vec(any::<u8>(), 0..128)) {
+            if let Ok(entry) = Entry::decode(Bytes::from(raw.clone())) {
+                prop_assert_eq!(entry.raw().as_ref(), &raw[..]);
+                prop_assert!(entry.body().len() <= raw.len());
+            }
+        }
+
+        #[test]
+        fn every_entry_round_trips(body in proptest::collection::vec(any::<u8>(), 0..256), ttl in 0u64..10_000_000, status in 0u8..3) {
+            let status = [Status::Found, Status::NotFound, Status::Failed][status as usize];
+            let e = Entry::new(status, &body, Duration::from_millis(ttl), Duration::from_micros(ttl));
+            let d = Entry::decode(e.raw().clone()).unwrap();
+            prop_assert_eq!(&d, &e);
         }
     }
 }

@@ -31,6 +31,11 @@ impl Keys {
         format!("{}lock:{}:{{{id}}}", self.prefix, self.kind)
     }
 
+    /// `P` + `stale:post:{42}`: the fail-safe copy, kept MAX_STALE past freshness.
+    pub fn fail_safe(&self, id: impl Display) -> String {
+        format!("{}stale:{}:{{{id}}}", self.prefix, self.kind)
+    }
+
     /// `P` + `ready:post:{42}`
     pub fn channel(&self, id: impl Display) -> String {
         format!("{}ready:{}:{{{id}}}", self.prefix, self.kind)
@@ -47,6 +52,7 @@ mod tests {
         assert_eq!(keys.value(42), "t1:post:{42}");
         assert_eq!(keys.lock(42), "t1:lock:post:{42}");
         assert_eq!(keys.channel(42), "t1:ready:post:{42}");
+        assert_eq!(keys.fail_safe(42), "t1:stale:post:{42}");
         assert_eq!(Keys::new("", "post").value(7), "post:{7}");
     }
 }

@@ -14,6 +14,9 @@ use std::{
 };
 
 use tokio::sync::watch;
+use tokio_util::task::TaskTracker;
+
+use crate::telemetry::metrics;
 
 type Slot<V> = watch::Receiver<Option<V>>;
 
@@ -21,6 +24,8 @@ type Slot<V> = watch::Receiver<Option<V>>;
 pub struct Flights<K, V> {
     /// A std mutex: only held to look up, insert or remove, never across an await.
     running: Arc<Mutex<HashMap<K, Slot<V>>>>,
+    /// Where flight tasks are spawned, so that shutdown can wait for them.
+    tasks: TaskTracker,
 }
 
 /// How a caller took part in a flight.
@@ -37,11 +42,18 @@ pub enum Role {
 #[error("the flight ended without a result")]
 pub struct Abandoned;
 
-impl<K, V> Default for Flights<K, V> {
-    fn default() -> Self {
+impl<K, V> Flights<K, V> {
+    pub fn new(tasks: TaskTracker) -> Self {
         Self {
             running: Arc::default(),
+            tasks,
         }
+    }
+}
+
+impl<K, V> Default for Flights<K, V> {
+    fn default() -> Self {
+        Self::new(TaskTracker::new())
     }
 }
 
@@ -54,6 +66,7 @@ struct Deregister<K: Eq + Hash, V> {
 
 impl<K: Eq + Hash, V> Drop for Deregister<K, V> {
     fn drop(&mut self) {
+        metrics::flights(-1.0);
         let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
         // Only our own slot: never a later flight that reused the key.
         if running
@@ -106,7 +119,8 @@ where
                         slot: rx.clone(),
                     };
                     let fut = start();
-                    tokio::spawn(async move {
+                    metrics::flights(1.0);
+                    self.tasks.spawn(async move {
                         let value = fut.await;
                         // Publish first, then deregister (on drop).
                         tx.send_replace(Some(value));

@@ -1,41 +1,83 @@
-//! The Redis commands of the read path, each bounded by REDIS_TIMEOUT.
+//! The Redis commands of the read path, each bounded by REDIS_TIMEOUT and
+//! guarded by the circuit breaker.
 
-use std::{future::Future, time::Duration};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use fred::{
+    error::ErrorKind,
     prelude::*,
     types::{scripts::Script, Expiration, SetOptions},
 };
 
-use crate::cache::{DecodeError, Entry};
+use super::breaker::Breaker;
+use crate::{
+    cache::{DecodeError, Entry},
+    telemetry::metrics,
+};
 
-/// The leader's finish, in one round trip: store the entry (unless its TTL is
-/// 0), publish it on the ready channel, and release the lock only if it still
-/// holds this leader's token. A leader whose lock expired and was taken over
-/// must not delete the new leader's lock, hence the compare-and-delete.
+/// The leader's finish, in one round trip.
 ///
-/// KEYS[1] value, KEYS[2] lock; ARGV[1] entry, ARGV[2] TTL in ms (0: do not
-/// store), ARGV[3] token, ARGV[4] channel. Returns {receivers, released}.
+/// On success: store the entry (unless its TTL is 0) and, for a found entry,
+/// its fail-safe copy; on failure: store as backoff marker, for FAILURE_TTL,
+/// the last good copy (the value itself if it is a found entry, else the
+/// fail-safe copy) with its BACKOFF flag set, or else the failed entry.
+/// Then publish what was stored on the ready channel, and release the lock
+/// only if it still holds this leader's token: a leader whose lock expired and
+/// was taken over must not delete the new leader's lock.
+///
+/// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy.
+/// ARGV[1] entry, ARGV[2] value TTL ms (0: do not store), ARGV[3] token,
+/// ARGV[4] channel, ARGV[5] fail-safe copy TTL ms (0: none), ARGV[6] FAILURE_TTL ms.
+/// Returns {receivers, released, published payload}.
+///
+/// Envelope offsets used here (see `cache/entry.rs`): byte 2 is the status
+/// (0 found, 2 failed), byte 3 the flags (1 = BACKOFF).
 const FINISH_LUA: &str = r#"
-if tonumber(ARGV[2]) > 0 then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local entry = ARGV[1]
+local payload = entry
+if string.byte(entry, 2) == 2 then
+  local copy = redis.call('GET', KEYS[1])
+  if not copy or string.byte(copy, 2) ~= 0 then
+    copy = redis.call('GET', KEYS[3])
+  end
+  if copy and string.byte(copy, 1) == 1 and string.byte(copy, 2) == 0 then
+    payload = string.sub(copy, 1, 2) .. '\1' .. string.sub(copy, 4)
+  end
+  if tonumber(ARGV[6]) > 0 then
+    redis.call('SET', KEYS[1], payload, 'PX', ARGV[6])
+  end
+else
+  if tonumber(ARGV[2]) > 0 then
+    redis.call('SET', KEYS[1], entry, 'PX', ARGV[2])
+  end
+  if tonumber(ARGV[5]) > 0 and string.byte(entry, 2) == 0 then
+    redis.call('SET', KEYS[3], entry, 'PX', ARGV[5])
+  end
 end
-local receivers = redis.call('PUBLISH', ARGV[4], ARGV[1])
+local receivers = redis.call('PUBLISH', ARGV[4], payload)
 local released = 0
 if redis.call('GET', KEYS[2]) == ARGV[3] then
   redis.call('DEL', KEYS[2])
   released = 1
 end
-return {receivers, released}
+return {receivers, released, payload}
 "#;
 
 /// Releases a lock only if it still holds the given token.
-///
 /// KEYS[1] lock; ARGV[1] token. Returns 1 when released.
 const RELEASE_LUA: &str = r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+/// Extends a lock only if it still holds the given token (the watchdog).
+/// KEYS[1] lock; ARGV[1] token, ARGV[2] TTL ms. Returns 1 when extended.
+const EXTEND_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
 "#;
@@ -45,6 +87,8 @@ return 0
 pub enum RedisError {
     #[error("redis command timed out after {0:?}")]
     Timeout(Duration),
+    #[error("redis circuit breaker open")]
+    CircuitOpen,
     #[error("redis command failed: {0}")]
     Command(#[from] fred::error::Error),
 }
@@ -58,14 +102,24 @@ pub enum Lookup {
     Garbage(DecodeError),
 }
 
-impl Lookup {
-    /// The entry, if one decoded.
-    pub fn entry(self) -> Option<Entry> {
-        match self {
-            Lookup::Entry(e) => Some(e),
-            Lookup::Absent | Lookup::Garbage(_) => None,
-        }
-    }
+/// What the leader's finish did.
+#[derive(Debug)]
+pub struct Finished {
+    /// Whether the lock still held our token (and was deleted).
+    pub released: bool,
+    /// What was published: the entry, or on failure the backoff copy.
+    pub published: Entry,
+}
+
+/// Lifetimes the finish script stores with.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreFor {
+    /// The value key (0: do not store).
+    pub value: Duration,
+    /// The fail-safe copy (0: none).
+    pub fail_safe: Duration,
+    /// The backoff marker after a failure (0: none).
+    pub failure: Duration,
 }
 
 /// The command client plus the bound applied to each command.
@@ -73,17 +127,48 @@ impl Lookup {
 pub struct RedisCommands {
     client: Client,
     timeout: Duration,
+    breaker: Arc<Breaker>,
     finish: Script,
     release: Script,
+    extend: Script,
+}
+
+fn ms(d: Duration) -> i64 {
+    if d.is_zero() {
+        0
+    } else {
+        d.as_millis().max(1) as i64
+    }
+}
+
+/// Whether a fred error says Redis is unreachable (as opposed to an error
+/// reply, which proves Redis is up).
+fn is_outage(e: &fred::error::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::IO
+            | ErrorKind::Timeout
+            | ErrorKind::Canceled
+            | ErrorKind::Backpressure
+            | ErrorKind::Tls
+            | ErrorKind::Routing
+            | ErrorKind::Cluster
+    )
 }
 
 impl RedisCommands {
     pub fn new(client: Client, timeout: Duration) -> Self {
+        Self::with_breaker(client, timeout, Arc::default())
+    }
+
+    pub fn with_breaker(client: Client, timeout: Duration, breaker: Arc<Breaker>) -> Self {
         Self {
             client,
             timeout,
+            breaker,
             finish: Script::from_lua(FINISH_LUA),
             release: Script::from_lua(RELEASE_LUA),
+            extend: Script::from_lua(EXTEND_LUA),
         }
     }
 
@@ -91,14 +176,16 @@ impl RedisCommands {
         &self.client
     }
 
-    async fn bounded<T>(
+    pub fn breaker(&self) -> &Arc<Breaker> {
+        &self.breaker
+    }
+
+    /// Runs one command under the breaker and REDIS_TIMEOUT.
+    pub(crate) async fn bounded<T>(
         &self,
         fut: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, RedisError> {
-        match tokio::time::timeout(self.timeout, fut).await {
-            Ok(result) => Ok(result?),
-            Err(_) => Err(RedisError::Timeout(self.timeout)),
-        }
+        guarded(&self.breaker, self.timeout, fut).await
     }
 
     /// GET a value key and decode it.
@@ -108,14 +195,17 @@ impl RedisCommands {
             None => Lookup::Absent,
             Some(raw) => match Entry::decode(raw) {
                 Ok(entry) => Lookup::Entry(entry),
-                Err(e) => Lookup::Garbage(e),
+                Err(e) => {
+                    metrics::garbage("entry");
+                    Lookup::Garbage(e)
+                }
             },
         })
     }
 
     /// SET a value with a TTL (the strategies without a lock).
     pub async fn store(&self, key: &str, entry: &Entry, ttl: Duration) -> Result<(), RedisError> {
-        let px = Expiration::PX(ttl.as_millis().max(1) as i64);
+        let px = Expiration::PX(ms(ttl).max(1));
         self.bounded(
             self.client
                 .set::<(), _, _>(key, entry.raw().clone(), Some(px), None, false),
@@ -124,19 +214,15 @@ impl RedisCommands {
     }
 
     /// `SET lock token NX PX ttl`: true when this caller now holds the lock.
-    pub async fn try_lock(
-        &self,
-        key: &str,
-        token: &str,
-        ttl: Duration,
-    ) -> Result<bool, RedisError> {
-        let px = Expiration::PX(ttl.as_millis().max(1) as i64);
+    pub async fn try_lock(&self, key: &str, token: &str, ttl: Duration) -> Result<bool, RedisError> {
+        let px = Expiration::PX(ms(ttl).max(1));
         let reply: Option<String> = self
             .bounded(
                 self.client
                     .set(key, token, Some(px), Some(SetOptions::NX), false),
             )
             .await?;
+        metrics::lock_election(reply.is_some());
         Ok(reply.is_some())
     }
 
@@ -150,30 +236,38 @@ impl RedisCommands {
         })
     }
 
-    /// The leader's finish (see [`FINISH_LUA`]); returns whether the lock was still ours.
+    /// The leader's finish (see [`FINISH_LUA`]).
+    #[allow(clippy::too_many_arguments)]
     pub async fn finish(
         &self,
         value_key: &str,
         lock_key: &str,
+        fail_safe_key: &str,
         channel: &str,
         token: &str,
         entry: &Entry,
-        store_for: Option<Duration>,
-    ) -> Result<bool, RedisError> {
-        let ttl_ms = store_for.map_or(0, |ttl| ttl.as_millis().max(1) as i64);
+        store: StoreFor,
+    ) -> Result<Finished, RedisError> {
         let args: Vec<Value> = vec![
             Value::Bytes(entry.raw().clone()),
-            Value::Integer(ttl_ms),
+            Value::Integer(ms(store.value)),
             Value::from(token),
             Value::from(channel),
+            Value::Integer(ms(store.fail_safe)),
+            Value::Integer(ms(store.failure)),
         ];
-        let (_receivers, released): (i64, i64) = self
-            .bounded(
-                self.finish
-                    .evalsha_with_reload(&self.client, vec![value_key, lock_key], args),
-            )
+        let (_receivers, released, payload): (i64, i64, Bytes) = self
+            .bounded(self.finish.evalsha_with_reload(
+                &self.client,
+                vec![value_key, lock_key, fail_safe_key],
+                args,
+            ))
             .await?;
-        Ok(released == 1)
+        let published = Entry::decode(payload).unwrap_or_else(|_| entry.clone());
+        Ok(Finished {
+            released: released == 1,
+            published,
+        })
     }
 
     /// Releases a lock if it still holds `token`.
@@ -187,8 +281,58 @@ impl RedisCommands {
         Ok(released == 1)
     }
 
-    /// PING, for readiness.
+    /// Extends a lock to `ttl` if it still holds `token`.
+    pub async fn extend(&self, lock_key: &str, token: &str, ttl: Duration) -> Result<bool, RedisError> {
+        let extended: i64 = self
+            .bounded(self.extend.evalsha_with_reload(
+                &self.client,
+                vec![lock_key],
+                vec![Value::from(token), Value::Integer(ms(ttl).max(1))],
+            ))
+            .await?;
+        Ok(extended == 1)
+    }
+
+    /// PING, for readiness (bypasses the breaker: readiness must see the truth).
     pub async fn ping(&self) -> Result<(), RedisError> {
-        self.bounded(self.client.ping::<()>(None)).await
+        match tokio::time::timeout(self.timeout, self.client.ping::<()>(None)).await {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(RedisError::Timeout(self.timeout)),
+        }
+    }
+}
+
+/// Runs `fut` if the breaker allows, bounded by `timeout`, and tells the
+/// breaker how it went.
+pub(crate) async fn guarded<T>(
+    breaker: &Breaker,
+    timeout: Duration,
+    fut: impl Future<Output = Result<T, fred::error::Error>>,
+) -> Result<T, RedisError> {
+    if !breaker.allow() {
+        metrics::redis_error("circuit_open");
+        return Err(RedisError::CircuitOpen);
+    }
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(value)) => {
+            breaker.record_success();
+            Ok(value)
+        }
+        Ok(Err(e)) => {
+            if is_outage(&e) {
+                breaker.record_failure();
+                metrics::redis_error("connection");
+            } else {
+                // An error reply: Redis is up.
+                breaker.record_success();
+                metrics::redis_error("reply");
+            }
+            Err(e.into())
+        }
+        Err(_) => {
+            breaker.record_failure();
+            metrics::redis_error("timeout");
+            Err(RedisError::Timeout(timeout))
+        }
     }
 }

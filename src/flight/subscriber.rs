@@ -22,7 +22,11 @@ use bytes::Bytes;
 use fred::{clients::SubscriberClient, prelude::*};
 use tokio::sync::broadcast;
 
-use super::redis::RedisError;
+use super::{
+    breaker::Breaker,
+    redis::{guarded, RedisError},
+};
+use crate::telemetry::metrics;
 
 /// Notices buffered per channel; a flight reads them as they come, and a lagging
 /// listener only loses a wake-up it then replaces by a re-check.
@@ -55,6 +59,7 @@ struct Registered {
 pub struct Subscriber {
     client: SubscriberClient,
     timeout: Duration,
+    breaker: Arc<Breaker>,
     /// Channel name → slot. A std mutex: held only for map operations, never
     /// across an await, and taken by the message dispatcher for every message.
     slots: Mutex<HashMap<String, Registered>>,
@@ -71,10 +76,11 @@ pub struct Subscription {
 impl Subscriber {
     /// Wraps a connected (or connecting) subscriber client and starts the
     /// dispatcher and the re-subscription task.
-    pub fn start(client: SubscriberClient, timeout: Duration) -> Arc<Self> {
+    pub fn start(client: SubscriberClient, timeout: Duration, breaker: Arc<Breaker>) -> Arc<Self> {
         let this = Arc::new(Self {
             client,
             timeout,
+            breaker,
             slots: Mutex::new(HashMap::new()),
         });
         // Re-subscribes every tracked channel after a reconnect.
@@ -130,11 +136,9 @@ impl Subscriber {
         };
         let mut subscribed = subscription.slot.server_state.lock().await;
         if !*subscribed {
-            match tokio::time::timeout(self.timeout, self.client.subscribe(channel)).await {
-                Ok(Ok(())) => *subscribed = true,
-                Ok(Err(e)) => return Err(e.into()),
-                Err(_) => return Err(RedisError::Timeout(self.timeout)),
-            }
+            guarded(&self.breaker, self.timeout, self.client.subscribe(channel)).await?;
+            *subscribed = true;
+            metrics::subscribed_channels(1.0);
         }
         drop(subscribed);
         Ok(subscription)
@@ -168,6 +172,7 @@ impl Subscriber {
                 // Even on failure: the next listener subscribes again, and a
                 // stale server-side subscription only delivers ignored messages.
                 *subscribed = false;
+                metrics::subscribed_channels(-1.0);
             }
             let mut slots = this.lock_slots();
             if slots

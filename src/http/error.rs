@@ -8,7 +8,10 @@ use axum::{
 use serde_json::json;
 
 use super::id::InvalidId;
-use crate::flight::{ReadError, Served};
+use crate::{
+    flight::{ReadError, Served},
+    telemetry::metrics,
+};
 
 /// Every error a client can see. Bodies are `{"error": "..."}`; 5xx bodies
 /// never carry internals (those are logged where they happen).
@@ -28,6 +31,12 @@ pub enum ApiError {
     Unavailable,
     #[error("timed out waiting for the post to load")]
     WaitTimeout,
+    #[error("overloaded, try again")]
+    Overloaded,
+    #[error("the request took too long")]
+    RequestTimeout,
+    #[error("internal error")]
+    Internal,
 }
 
 impl ApiError {
@@ -36,8 +45,23 @@ impl ApiError {
             ApiError::InvalidId(_) | ApiError::InvalidPath => StatusCode::BAD_REQUEST,
             ApiError::PostNotFound(_) | ApiError::RouteNotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable | ApiError::Overloaded | ApiError::RequestTimeout => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::WaitTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Maps an error of the tower layers (load shedding, timeout).
+    pub fn from_layer(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Self {
+        if error.is::<tower::load_shed::error::Overloaded>() {
+            ApiError::Overloaded
+        } else if error.is::<tower::timeout::error::Elapsed>() {
+            ApiError::RequestTimeout
+        } else {
+            tracing::error!(%error, "unexpected middleware error");
+            ApiError::Internal
         }
     }
 }
@@ -58,10 +82,11 @@ impl IntoResponse for ApiError {
             Json(json!({ "error": self.to_string() })),
         )
             .into_response();
+        metrics::http_error(self.status_code().as_u16());
         if let ApiError::PostNotFound(served) = self {
             response
                 .headers_mut()
-                .insert("x-cache", HeaderValue::from_static(served.as_str()));
+                .insert("x-cache", HeaderValue::from_static(served.header()));
         }
         if let ApiError::MethodNotAllowed = self {
             response

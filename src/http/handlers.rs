@@ -1,54 +1,122 @@
 //! Request handlers.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::{
     extract::{rejection::PathRejection, Path, State},
-    http::{header, HeaderValue, StatusCode},
+    http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
     Json,
 };
 use serde_json::json;
 
 use super::{error::ApiError, id::PostId, AppState};
-use crate::cache::Status;
+use crate::{
+    cache::{now_millis, Entry, Status},
+    flight::{Answer, Served},
+    telemetry::metrics,
+};
 
 /// Bound on each readiness probe.
 const READINESS_TIMEOUT: Duration = Duration::from_secs(1);
+
+const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
+/// RFC 7234 warning codes, kept as the marker of stale answers.
+const WARNING_STALE: &str = "110 - \"Response is Stale\"";
+const WARNING_REVALIDATION_FAILED: &str = "111 - \"Revalidation Failed\"";
 
 /// `GET /posts/{id}`
 #[tracing::instrument(skip_all, fields(id, outcome, role, load_ms))]
 pub async fn get_post(
     State(state): State<AppState>,
+    request_headers: HeaderMap,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    let started = Instant::now();
     let Path(segment) = path.map_err(|_| ApiError::InvalidPath)?;
     let id = PostId::parse(&segment)?;
     tracing::Span::current().record("id", id.get());
-    let answer = state.read_path.get(id.get()).await.map_err(|e| {
-        tracing::Span::current().record("outcome", e.to_string());
-        ApiError::from(e)
-    })?;
-    let served = answer.served.as_str();
-    tracing::Span::current().record("outcome", served);
-    match answer.entry.status() {
-        Status::Found => Ok((
-            [
-                (
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                ),
-                (
-                    header::HeaderName::from_static("x-cache"),
-                    HeaderValue::from_static(served),
-                ),
-            ],
-            answer.entry.body(),
+    let answer = match state.read_path.get(id.get()).await {
+        Ok(answer) => answer,
+        Err(e) => {
+            tracing::Span::current().record("outcome", e.to_string());
+            metrics::request("error", started.elapsed());
+            return Err(e.into());
+        }
+    };
+    let label = answer.served.label(answer.entry.status());
+    tracing::Span::current().record("outcome", label);
+    metrics::request(label, started.elapsed());
+    let grace = state.read_path.settings().stale_while_revalidate;
+    Ok(respond(&answer, &request_headers, grace))
+}
+
+/// The response for an entry: body or 404, with the HTTP caching headers
+/// (RFC 9111 / RFC 5861) and a 304 for a matching `If-None-Match`.
+fn respond(answer: &Answer, request_headers: &HeaderMap, grace: Duration) -> Response {
+    let entry = &answer.entry;
+    let now = now_millis();
+    let mut response = match entry.status() {
+        Status::Found if if_none_match(request_headers, entry) => {
+            StatusCode::NOT_MODIFIED.into_response()
+        }
+        Status::Found => (
+            [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+            entry.body(),
         )
-            .into_response()),
-        Status::NotFound => Err(ApiError::PostNotFound(answer.served)),
-        Status::Failed => Err(ApiError::Unavailable),
+            .into_response(),
+        Status::NotFound => ApiError::PostNotFound(answer.served).into_response(),
+        Status::Failed => return ApiError::Unavailable.into_response(),
+    };
+    let headers = response.headers_mut();
+    headers.insert(X_CACHE, HeaderValue::from_static(answer.served.header()));
+    let max_age = entry.fresh_until().saturating_sub(now) / 1000;
+    let cache_control = if grace.is_zero() {
+        format!("public, max-age={max_age}")
+    } else {
+        format!(
+            "public, max-age={max_age}, stale-while-revalidate={}",
+            grace.as_secs()
+        )
+    };
+    let age = now.saturating_sub(entry.stored_at()) / 1000;
+    insert(headers, header::CACHE_CONTROL, cache_control);
+    insert(headers, header::AGE, age.to_string());
+    if entry.status() == Status::Found {
+        insert(headers, header::ETAG, etag(entry));
     }
+    if answer.served == Served::Stale {
+        let warning = if entry.is_backoff() {
+            WARNING_REVALIDATION_FAILED
+        } else {
+            WARNING_STALE
+        };
+        headers.insert(header::WARNING, HeaderValue::from_static(warning));
+    }
+    response
+}
+
+fn insert(headers: &mut HeaderMap, name: HeaderName, value: String) {
+    if let Ok(value) = HeaderValue::try_from(value) {
+        headers.insert(name, value);
+    }
+}
+
+/// The strong validator of an entry's body.
+fn etag(entry: &Entry) -> String {
+    format!("\"{:016x}\"", entry.etag())
+}
+
+/// Whether `If-None-Match` names this entry (weak comparison, RFC 9110 13.1.2).
+fn if_none_match(request_headers: &HeaderMap, entry: &Entry) -> bool {
+    let ours = etag(entry);
+    request_headers
+        .get_all(header::IF_NONE_MATCH)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .any(|tag| tag == "*" || tag.trim_start_matches("W/") == ours)
 }
 
 /// `GET /posts/`
@@ -85,6 +153,18 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
             "postgres": word(postgres_up),
             "redis": word(redis_up),
         })),
+    )
+        .into_response()
+}
+
+/// `GET /metrics`: Prometheus text format.
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
+        state.metrics.render(),
     )
         .into_response()
 }

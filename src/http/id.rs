@@ -88,3 +88,25 @@ mod tests {
         assert_eq!(PostId::parse(&"1".repeat(5000)), Err(InvalidId::TooLong));
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn any_string_parses_to_an_id_in_range_or_a_clean_error(s in "\\PC{0,40}") {
+            if let Ok(id) = PostId::parse(&s) {
+                prop_assert!(id.get() >= 1);
+                prop_assert!(s.bytes().all(|b| b.is_ascii_digit()));
+            }
+        }
+
+        #[test]
+        fn every_valid_id_parses_back_to_itself(id in 1i64..=i64::MAX) {
+            prop_assert_eq!(PostId::parse(&id.to_string()).unwrap().get(), id);
+        }
+    }
+}

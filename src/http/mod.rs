@@ -1,15 +1,18 @@
-//! The HTTP interface: routes, handlers and the error type.
+//! The HTTP interface: routes, handlers, the error type, and the tower layers
+//! that bound every request.
 
 mod error;
 mod handlers;
 mod id;
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
-use axum::{routing::get, Router};
+use axum::{error_handling::HandleErrorLayer, routing::get, BoxError, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tower::ServiceBuilder;
 
 pub use error::ApiError;
-pub use id::PostId;
+pub use id::{InvalidId, PostId};
 
 use crate::{flight::ReadPath, posts::PostSource};
 
@@ -18,17 +21,39 @@ use crate::{flight::ReadPath, posts::PostSource};
 pub struct AppState {
     pub read_path: Arc<ReadPath<PostSource>>,
     pub db: sqlx::PgPool,
+    pub metrics: PrometheusHandle,
+}
+
+/// Bounds applied to every request.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Requests handled at once; past it, 503 at once instead of queueing.
+    pub max_in_flight: usize,
+    /// Longest a request may take.
+    pub request_timeout: Duration,
 }
 
 /// The router, without the listener: tests can drive it directly.
-pub fn app(state: AppState) -> Router {
+pub fn app(state: AppState, limits: Limits) -> Router {
     Router::new()
         .route("/posts/{id}", get(handlers::get_post))
         // `/posts/` (an empty id) is a bad id, not an unknown route.
         .route("/posts/", get(handlers::empty_id))
         .route("/healthz", get(handlers::healthz))
         .route("/readyz", get(handlers::readyz))
+        .route("/metrics", get(handlers::metrics))
         .fallback(handlers::not_found)
         .method_not_allowed_fallback(handlers::method_not_allowed)
         .with_state(state)
+        .layer(
+            ServiceBuilder::new()
+                .layer(HandleErrorLayer::new(|error: BoxError| async move {
+                    ApiError::from_layer(error.as_ref())
+                }))
+                // Load shedding turns "no capacity" into an immediate error
+                // instead of an unbounded queue of waiting requests.
+                .load_shed()
+                .concurrency_limit(limits.max_in_flight)
+                .timeout(limits.request_timeout),
+        )
 }

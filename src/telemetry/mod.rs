@@ -1,5 +1,7 @@
 //! Logging setup: `RUST_LOG` filters, `LOG_FORMAT` picks text or JSON.
 
+pub mod metrics;
+
 use tracing_subscriber::{fmt, prelude::*, EnvFilter};
 
 use crate::config::LogFormat;

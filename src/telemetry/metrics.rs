@@ -1,0 +1,132 @@
+//! Prometheus metrics, through the `metrics` facade.
+//!
+//! Every name is listed here, with what it counts, so that the README, the
+//! dashboard and the tests name the same series. The recorder is global to the
+//! process (one service per process in production; tests that assert exact
+//! counts run in a test binary of their own).
+
+use std::{sync::OnceLock, time::Duration};
+
+use ::metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Requests of `GET /posts/{id}` by outcome: hit, negative_hit, miss,
+/// coalesced_local, coalesced_remote, stale, bypass, error.
+pub const REQUESTS: &str = "postcache_requests_total";
+/// Latency of `GET /posts/{id}` by outcome, seconds.
+pub const REQUEST_DURATION: &str = "postcache_request_duration_seconds";
+/// HTTP error responses by status code.
+pub const HTTP_ERRORS: &str = "postcache_http_errors_total";
+/// Loads from PostgreSQL by result: found, not_found, failed.
+pub const DB_LOADS: &str = "postcache_db_loads_total";
+/// Duration of loads from PostgreSQL, seconds.
+pub const DB_LOAD_DURATION: &str = "postcache_db_load_duration_seconds";
+/// Lock elections by result: won, lost.
+pub const LOCK_ELECTIONS: &str = "postcache_lock_elections_total";
+/// Ended waits by what ended them: message, recheck, takeover, failure, timeout.
+pub const WAITS: &str = "postcache_waits_total";
+/// Duration of waits for another's load, seconds.
+pub const WAIT_DURATION: &str = "postcache_wait_duration_seconds";
+/// Redis command failures (errors and timeouts) and breaker rejections, by kind.
+pub const REDIS_ERRORS: &str = "postcache_redis_errors_total";
+/// Redis circuit breaker: 0 closed, 1 open, 2 half-open.
+pub const BREAKER_STATE: &str = "postcache_redis_breaker_state";
+/// Ready channels this process is subscribed to.
+pub const SUBSCRIBED_CHANNELS: &str = "postcache_subscribed_channels";
+/// In-process flights in progress.
+pub const FLIGHTS: &str = "postcache_flights_in_progress";
+/// Undecodable bytes met, by where: entry, message.
+pub const GARBAGE: &str = "postcache_garbage_total";
+/// Background refreshes by result: refreshed, lost (another holds the lock), failed.
+pub const REFRESHES: &str = "postcache_refreshes_total";
+
+/// Buckets for request, load and wait durations: 0.5 ms to 10 s.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder (once) and returns the handle that renders it.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+                .expect("static, non-empty buckets")
+                .build_recorder();
+            let handle = recorder.handle();
+            // Another recorder may already be installed (a host program): then
+            // this handle renders nothing, which is better than failing.
+            let _ = ::metrics::set_global_recorder(recorder);
+            describe();
+            handle
+        })
+        .clone()
+}
+
+fn describe() {
+    use ::metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(REQUESTS, "Requests of GET /posts/{id} by outcome.");
+    describe_histogram!(REQUEST_DURATION, Unit::Seconds, "Latency of GET /posts/{id} by outcome.");
+    describe_counter!(HTTP_ERRORS, "HTTP error responses by status code.");
+    describe_counter!(DB_LOADS, "Loads from PostgreSQL by result.");
+    describe_histogram!(DB_LOAD_DURATION, Unit::Seconds, "Duration of loads from PostgreSQL.");
+    describe_counter!(LOCK_ELECTIONS, "Leader lock elections by result.");
+    describe_counter!(WAITS, "Waits for another's load, by what ended them.");
+    describe_histogram!(WAIT_DURATION, Unit::Seconds, "Duration of waits for another's load.");
+    describe_counter!(REDIS_ERRORS, "Redis failures by kind.");
+    describe_gauge!(BREAKER_STATE, "Redis circuit breaker: 0 closed, 1 open, 2 half-open.");
+    describe_gauge!(SUBSCRIBED_CHANNELS, "Ready channels this process is subscribed to.");
+    describe_gauge!(FLIGHTS, "In-process flights in progress.");
+    describe_counter!(GARBAGE, "Undecodable cache entries or ready messages met.");
+    describe_counter!(REFRESHES, "Background refreshes by result.");
+}
+
+/// One answered `GET /posts/{id}`.
+pub fn request(outcome: &'static str, took: Duration) {
+    counter!(REQUESTS, "outcome" => outcome).increment(1);
+    histogram!(REQUEST_DURATION, "outcome" => outcome).record(took.as_secs_f64());
+}
+
+pub fn http_error(status: u16) {
+    counter!(HTTP_ERRORS, "status" => status.to_string()).increment(1);
+}
+
+pub fn db_load(result: &'static str, took: Duration) {
+    counter!(DB_LOADS, "result" => result).increment(1);
+    histogram!(DB_LOAD_DURATION).record(took.as_secs_f64());
+}
+
+pub fn lock_election(won: bool) {
+    counter!(LOCK_ELECTIONS, "result" => if won { "won" } else { "lost" }).increment(1);
+}
+
+pub fn wait_ended(ended_by: &'static str, took: Duration) {
+    counter!(WAITS, "ended_by" => ended_by).increment(1);
+    histogram!(WAIT_DURATION).record(took.as_secs_f64());
+}
+
+pub fn redis_error(kind: &'static str) {
+    counter!(REDIS_ERRORS, "kind" => kind).increment(1);
+}
+
+pub fn breaker_state(state: f64) {
+    gauge!(BREAKER_STATE).set(state);
+}
+
+pub fn subscribed_channels(delta: f64) {
+    gauge!(SUBSCRIBED_CHANNELS).increment(delta);
+}
+
+pub fn flights(delta: f64) {
+    gauge!(FLIGHTS).increment(delta);
+}
+
+pub fn garbage(kind: &'static str) {
+    counter!(GARBAGE, "kind" => kind).increment(1);
+}
+
+pub fn refresh(result: &'static str) {
+    counter!(REFRESHES, "result" => result).increment(1);
+}
