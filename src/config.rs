@@ -32,7 +32,7 @@ pub enum Command {
     /// Write posts with ids 1..=N (deterministic for a given seed; safe to rerun).
     Seed(SeedArgs),
     /// Serve HTTP (applies pending migrations first unless --no-migrate).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -219,7 +219,10 @@ impl ServeArgs {
         anyhow::ensure!(!c.redis_timeout.is_zero(), "REDIS_TIMEOUT must be positive");
         anyhow::ensure!(!c.poll_interval.is_zero(), "POLL_INTERVAL must be positive");
         anyhow::ensure!(self.max_in_flight > 0, "MAX_IN_FLIGHT must be positive");
-        anyhow::ensure!(!self.request_timeout.is_zero(), "REQUEST_TIMEOUT must be positive");
+        anyhow::ensure!(
+            !self.request_timeout.is_zero(),
+            "REQUEST_TIMEOUT must be positive"
+        );
         if self.database.db_statement_timeout >= c.lock_ttl {
             // Allowed: the watchdog extends the lock of a live leader. But a
             // dead leader's lock then expires before its query would have.

@@ -17,7 +17,7 @@ async fn main() -> anyhow::Result<()> {
             postcache::cli::seed::run(&args).await?;
         }
         Command::Serve(args) => {
-            let app = Application::build(args).await?;
+            let app = Application::build(*args).await?;
             app.run_until_stopped(shutdown_signal()).await?;
         }
     }

@@ -358,7 +358,15 @@ async fn a_leader_whose_lock_expired_does_not_delete_the_new_leaders_lock() {
         Duration::ZERO,
     );
     let released = commands
-        .finish(&value, &lock, &fail_safe, &channel, "old-leader", &entry, store)
+        .finish(
+            &value,
+            &lock,
+            &fail_safe,
+            &channel,
+            "old-leader",
+            &entry,
+            store,
+        )
         .await
         .unwrap()
         .released;
@@ -368,7 +376,15 @@ async fn a_leader_whose_lock_expired_does_not_delete_the_new_leaders_lock() {
     assert_eq!(holder.as_deref(), Some("new-leader"));
     assert!(
         commands
-            .finish(&value, &lock, &fail_safe, &channel, "new-leader", &entry, store)
+            .finish(
+                &value,
+                &lock,
+                &fail_safe,
+                &channel,
+                "new-leader",
+                &entry,
+                store
+            )
             .await
             .unwrap()
             .released

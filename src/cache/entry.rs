@@ -219,9 +219,24 @@ mod tests {
 
     #[test]
     fn the_etag_follows_the_body_only() {
-        let a = Entry::new(Status::Found, b"one", Duration::from_secs(1), Duration::ZERO);
-        let b = Entry::new(Status::Found, b"one", Duration::from_secs(9), Duration::from_millis(2));
-        let c = Entry::new(Status::Found, b"two", Duration::from_secs(1), Duration::ZERO);
+        let a = Entry::new(
+            Status::Found,
+            b"one",
+            Duration::from_secs(1),
+            Duration::ZERO,
+        );
+        let b = Entry::new(
+            Status::Found,
+            b"one",
+            Duration::from_secs(9),
+            Duration::from_millis(2),
+        );
+        let c = Entry::new(
+            Status::Found,
+            b"two",
+            Duration::from_secs(1),
+            Duration::ZERO,
+        );
         assert_eq!(a.etag(), b.etag());
         assert_ne!(a.etag(), c.etag());
     }

@@ -63,8 +63,10 @@ pub trait Source: Send + Sync + 'static {
     type Key: Clone + Eq + Hash + Display + Send + Sync + 'static;
 
     /// The item's response body, `None` when it does not exist.
-    fn load(&self, key: &Self::Key)
-        -> impl Future<Output = Result<Option<Bytes>, LoadError>> + Send;
+    fn load(
+        &self,
+        key: &Self::Key,
+    ) -> impl Future<Output = Result<Option<Bytes>, LoadError>> + Send;
 }
 
 /// How an answer was produced.
@@ -218,7 +220,13 @@ fn judge(entry: Entry, now: u64) -> Verdict {
 /// XFetch (Vattani, Chierichetti, Lowenstein, VLDB 2015): refresh early when
 /// `now − Δ·β·ln(u) ≥ expiry`, u uniform in (0, 1], Δ the last load's duration.
 /// With r = expiry − now, this fires with probability exp(−r / (Δ·β)).
-pub fn xfetch_fires(now_ms: u64, fresh_until_ms: u64, load_time: Duration, beta: f64, u: f64) -> bool {
+pub fn xfetch_fires(
+    now_ms: u64,
+    fresh_until_ms: u64,
+    load_time: Duration,
+    beta: f64,
+    u: f64,
+) -> bool {
     if beta <= 0.0 {
         return false;
     }
@@ -495,7 +503,8 @@ impl<S: Source> ReadPath<S> {
             Strategy::None | Strategy::Naive | Strategy::Local => {
                 let (entry, ttl) = self.load_entry(&key).await;
                 if let Some(ttl) = ttl {
-                    if let Err(error) = self.redis.store(&self.keys.value(&key), &entry, ttl).await {
+                    if let Err(error) = self.redis.store(&self.keys.value(&key), &entry, ttl).await
+                    {
                         tracing::warn!(%error, "failed to store the entry");
                     }
                 }
@@ -627,7 +636,9 @@ impl<S: Source> ReadPath<S> {
                 }
             }
             Ok(_) => {}
-            Err(error) => tracing::warn!(%error, "redis failed after taking the lock; loading anyway"),
+            Err(error) => {
+                tracing::warn!(%error, "redis failed after taking the lock; loading anyway")
+            }
         }
         let (entry, ttl) = self.load_under_watchdog(key, &keys.lock, token).await;
         let s = &self.settings;
@@ -659,14 +670,26 @@ impl<S: Source> ReadPath<S> {
         };
         match self
             .redis
-            .finish(&keys.value, &keys.lock, &keys.fail_safe, &keys.channel, token, &entry, store)
+            .finish(
+                &keys.value,
+                &keys.lock,
+                &keys.fail_safe,
+                &keys.channel,
+                token,
+                &entry,
+                store,
+            )
             .await
         {
             Ok(finished) => {
                 if !finished.released {
-                    tracing::warn!(lock = keys.lock, "lock expired during the load and was not ours to release");
+                    tracing::warn!(
+                        lock = keys.lock,
+                        "lock expired during the load and was not ours to release"
+                    );
                 }
-                if entry.status() == Status::Failed && finished.published.status() == Status::Found {
+                if entry.status() == Status::Failed && finished.published.status() == Status::Found
+                {
                     tracing::warn!(%key, "load failed; serving the fail-safe copy");
                 }
                 loaded(finished.published)
@@ -681,7 +704,12 @@ impl<S: Source> ReadPath<S> {
     /// Loads while a watchdog extends the lock every third of LOCK_TTL, so a
     /// slow but live leader is not taken over; a dead one stops extending and
     /// its lock expires after LOCK_TTL.
-    async fn load_under_watchdog(&self, key: &S::Key, lock: &str, token: &str) -> (Entry, Option<Duration>) {
+    async fn load_under_watchdog(
+        &self,
+        key: &S::Key,
+        lock: &str,
+        token: &str,
+    ) -> (Entry, Option<Duration>) {
         let load = self.load_entry(key);
         tokio::pin!(load);
         let period = (self.settings.lock_ttl / 3).max(Duration::from_millis(10));
@@ -764,7 +792,11 @@ fn answer(role: Role, outcome: Result<Outcome, Abandoned>) -> Result<Answer, Rea
         Ok(Outcome::TimedOut) => return Err(ReadError::Timeout),
     };
     // A fail-safe copy re-served after a failed load is stale, whoever loaded.
-    let served = if entry.is_backoff() { Served::Stale } else { served };
+    let served = if entry.is_backoff() {
+        Served::Stale
+    } else {
+        served
+    };
     Ok(Answer { entry, served })
 }
 
@@ -805,6 +837,12 @@ mod tests {
 
     #[test]
     fn xfetch_never_fires_when_off() {
-        assert!(!xfetch_fires(999, 1000, Duration::from_secs(1), 0.0, 0.000_001));
+        assert!(!xfetch_fires(
+            999,
+            1000,
+            Duration::from_secs(1),
+            0.0,
+            0.000_001
+        ));
     }
 }

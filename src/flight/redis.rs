@@ -214,7 +214,12 @@ impl RedisCommands {
     }
 
     /// `SET lock token NX PX ttl`: true when this caller now holds the lock.
-    pub async fn try_lock(&self, key: &str, token: &str, ttl: Duration) -> Result<bool, RedisError> {
+    pub async fn try_lock(
+        &self,
+        key: &str,
+        token: &str,
+        ttl: Duration,
+    ) -> Result<bool, RedisError> {
         let px = Expiration::PX(ms(ttl).max(1));
         let reply: Option<String> = self
             .bounded(
@@ -282,7 +287,12 @@ impl RedisCommands {
     }
 
     /// Extends a lock to `ttl` if it still holds `token`.
-    pub async fn extend(&self, lock_key: &str, token: &str, ttl: Duration) -> Result<bool, RedisError> {
+    pub async fn extend(
+        &self,
+        lock_key: &str,
+        token: &str,
+        ttl: Duration,
+    ) -> Result<bool, RedisError> {
         let extended: i64 = self
             .bounded(self.extend.evalsha_with_reload(
                 &self.client,

@@ -61,7 +61,10 @@ fn respond(answer: &Answer, request_headers: &HeaderMap, grace: Duration) -> Res
             StatusCode::NOT_MODIFIED.into_response()
         }
         Status::Found => (
-            [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
             entry.body(),
         )
             .into_response(),

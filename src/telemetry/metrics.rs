@@ -68,16 +68,34 @@ pub fn install() -> PrometheusHandle {
 fn describe() {
     use ::metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(REQUESTS, "Requests of GET /posts/{id} by outcome.");
-    describe_histogram!(REQUEST_DURATION, Unit::Seconds, "Latency of GET /posts/{id} by outcome.");
+    describe_histogram!(
+        REQUEST_DURATION,
+        Unit::Seconds,
+        "Latency of GET /posts/{id} by outcome."
+    );
     describe_counter!(HTTP_ERRORS, "HTTP error responses by status code.");
     describe_counter!(DB_LOADS, "Loads from PostgreSQL by result.");
-    describe_histogram!(DB_LOAD_DURATION, Unit::Seconds, "Duration of loads from PostgreSQL.");
+    describe_histogram!(
+        DB_LOAD_DURATION,
+        Unit::Seconds,
+        "Duration of loads from PostgreSQL."
+    );
     describe_counter!(LOCK_ELECTIONS, "Leader lock elections by result.");
     describe_counter!(WAITS, "Waits for another's load, by what ended them.");
-    describe_histogram!(WAIT_DURATION, Unit::Seconds, "Duration of waits for another's load.");
+    describe_histogram!(
+        WAIT_DURATION,
+        Unit::Seconds,
+        "Duration of waits for another's load."
+    );
     describe_counter!(REDIS_ERRORS, "Redis failures by kind.");
-    describe_gauge!(BREAKER_STATE, "Redis circuit breaker: 0 closed, 1 open, 2 half-open.");
-    describe_gauge!(SUBSCRIBED_CHANNELS, "Ready channels this process is subscribed to.");
+    describe_gauge!(
+        BREAKER_STATE,
+        "Redis circuit breaker: 0 closed, 1 open, 2 half-open."
+    );
+    describe_gauge!(
+        SUBSCRIBED_CHANNELS,
+        "Ready channels this process is subscribed to."
+    );
     describe_gauge!(FLIGHTS, "In-process flights in progress.");
     describe_counter!(GARBAGE, "Undecodable cache entries or ready messages met.");
     describe_counter!(REFRESHES, "Background refreshes by result.");

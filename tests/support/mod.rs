@@ -138,7 +138,7 @@ impl TestEnv {
             .expect("valid test settings")
             .command
         {
-            Command::Serve(args) => args,
+            Command::Serve(args) => *args,
             _ => unreachable!("serve was asked for"),
         }
     }
@@ -179,24 +179,7 @@ impl TestEnv {
     /// have flushed their statistics, which they do when they exit: call this
     /// after the instances are stopped (their pools closed).
     pub async fn post_reads(&self) -> i64 {
-        let mut conn = PgConnection::connect(&self.db_url).await.unwrap();
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            let others: i64 = sqlx::query_scalar(
-                "select count(*) from pg_stat_activity
-                 where datname = current_database() and pid <> pg_backend_pid()
-                   and backend_type = 'client backend'
-                   and application_name = 'postcache'",
-            )
-            .fetch_one(&mut conn)
-            .await
-            .unwrap();
-            if others == 0 {
-                break;
-            }
-            assert!(Instant::now() < deadline, "service backends did not exit");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let mut conn = self.after_service_backends_exit().await;
         let mut last = -1;
         loop {
             let reads: i64 = sqlx::query_scalar(
@@ -211,6 +194,29 @@ impl TestEnv {
             }
             last = reads;
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// A connection to the test database, once every backend of the service
+    /// has exited (and so flushed its statistics).
+    pub async fn after_service_backends_exit(&self) -> PgConnection {
+        let mut conn = PgConnection::connect(&self.db_url).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let others: i64 = sqlx::query_scalar(
+                "select count(*) from pg_stat_activity
+                 where datname = current_database() and pid <> pg_backend_pid()
+                   and backend_type = 'client backend'
+                   and application_name = 'postcache'",
+            )
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+            if others == 0 {
+                return conn;
+            }
+            assert!(Instant::now() < deadline, "service backends did not exit");
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -323,6 +329,20 @@ impl TestApp {
         }
     }
 
+    /// Closes the instance's idle PostgreSQL connections, so that their
+    /// backends exit and flush their statistics; the pool reconnects on demand.
+    pub async fn stop_pool_connections(&self) {
+        let pool = &self.state.db;
+        // Idle connections are dropped when the pool is told to keep none.
+        while pool.num_idle() > 0 {
+            if let Some(conn) = pool.try_acquire() {
+                let _ = conn.detach().close().await;
+            } else {
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+
     /// Reads this instance has not answered yet.
     pub fn reads_in_progress(&self) -> usize {
         self.state.read_path.reads_in_progress()
@@ -409,3 +429,34 @@ pub async fn blocked_loads(env: &TestEnv) -> i64 {
 }
 
 pub type Shared<T> = Arc<T>;
+
+impl TestEnv {
+    /// Transactions rolled back in this database, counted by PostgreSQL (a
+    /// failed load is one). Exact once the service's backends exited: call
+    /// after the instances are stopped.
+    pub async fn rollbacks(&self) -> i64 {
+        let mut conn = self.after_service_backends_exit().await;
+        sqlx::query_scalar(
+            "select xact_rollback::bigint from pg_stat_database where datname = current_database()",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+    }
+
+    /// Rolled-back transactions so far, read after the service's connections
+    /// were closed (see [`TestApp::stop_pool_connections`]).
+    pub async fn rollbacks_now(&self) -> i64 {
+        self.rollbacks().await
+    }
+
+    /// Makes every load fail (the table is renamed away) or work again.
+    pub async fn break_posts(&self, broken: bool) {
+        let sql = if broken {
+            "alter table posts rename to posts_away"
+        } else {
+            "alter table posts_away rename to posts"
+        };
+        sqlx::query(sql).execute(&self.admin).await.unwrap();
+    }
+}

@@ -1,0 +1,349 @@
+//! Freshness: stale-while-revalidate, early refresh, fail-safe, failure
+//! backoff and HTTP caching, against the real servers.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use fred::prelude::*;
+use futures::future::join_all;
+use support::{TableLock, TestApp, TestEnv};
+
+/// Fires `n` requests for `path` over `apps` and returns the replies.
+async fn burst(apps: &[TestApp], path: &str, n: usize) -> Vec<support::Reply> {
+    join_all((0..n).map(|i| apps[i % apps.len()].get(path))).await
+}
+
+#[track_caller]
+fn tags(replies: &[support::Reply]) -> Vec<&str> {
+    replies
+        .iter()
+        .map(|r| r.x_cache.as_deref().unwrap_or("-"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_entry_is_served_at_once_while_one_refresh_runs_for_the_fleet() {
+    let env = TestEnv::new(10).await;
+    let before = env.post_reads().await;
+    let flags = [
+        "--cache-ttl",
+        "1s",
+        "--ttl-jitter",
+        "0",
+        "--stale-while-revalidate",
+        "60s",
+        "--redis-timeout",
+        "2s",
+        "--lock-ttl",
+        "20s",
+        "--db-statement-timeout",
+        "15s",
+    ];
+    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
+    assert_eq!(
+        apps[0].get("/posts/3").await.x_cache.as_deref(),
+        Some("miss")
+    );
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+
+    // The refresh will be held back by the table lock: every answer must
+    // come back while it is held.
+    let lock = TableLock::take(&env).await;
+    let replies = tokio::time::timeout(Duration::from_secs(10), burst(&apps, "/posts/3", 200))
+        .await
+        .expect("stale answers did not wait for the load");
+    let held_stale = env
+        .stored(3)
+        .await
+        .expect("entry kept through the grace window");
+    lock.release().await;
+
+    assert!(replies.iter().all(|r| r.status == 200));
+    assert!(
+        tags(&replies).iter().all(|t| *t == "stale"),
+        "{:?}",
+        tags(&replies)
+    );
+    assert!(replies.iter().all(|r| r.headers.get("warning").is_some()));
+    assert!(!held_stale.is_fresh(postcache::cache::now_millis()));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !env
+        .stored(3)
+        .await
+        .unwrap()
+        .is_fresh(postcache::cache::now_millis())
+    {
+        assert!(Instant::now() < deadline, "the entry was not refreshed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        apps[1].get("/posts/3").await.x_cache.as_deref(),
+        Some("hit")
+    );
+    for app in apps {
+        app.stop().await;
+    }
+    assert_eq!(
+        env.post_reads().await - before,
+        2,
+        "the warm-up load and one refresh"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn past_the_grace_window_a_stale_entry_is_a_miss() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&[
+            "--cache-ttl",
+            "300ms",
+            "--ttl-jitter",
+            "0",
+            "--stale-while-revalidate",
+            "300ms",
+        ])
+        .await;
+    assert_eq!(app.get("/posts/2").await.x_cache.as_deref(), Some("miss"));
+    let pttl = env.pttl(&env.keys.value(2)).await;
+    assert!(
+        (400..=600).contains(&pttl),
+        "kept for TTL + grace, PTTL {pttl}"
+    );
+
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    assert_eq!(app.get("/posts/2").await.x_cache.as_deref(), Some("miss"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_steady_traffic_early_refresh_keeps_a_hot_key_from_ever_missing() {
+    let env = TestEnv::new(10).await;
+    // β is chosen from this machine's load time Δ so that Δ·β ≈ 50 ms. At the
+    // ~250 requests/s below, the refresh then fires about 100–150 ms before
+    // expiry (each hit fires with probability exp(−remaining / (Δ·β))).
+    let probe = env.spawn(&[]).await;
+    probe.get("/posts/4").await;
+    let _: () = env.redis.del(env.keys.value(4)).await.unwrap();
+    probe.get("/posts/4").await;
+    let load_time = env
+        .stored(4)
+        .await
+        .unwrap()
+        .load_time()
+        .max(Duration::from_micros(100));
+    probe.stop().await;
+    let beta = (0.05 / load_time.as_secs_f64()).to_string();
+    let _: () = env.redis.del(env.keys.value(4)).await.unwrap();
+    let before = env.post_reads().await;
+    let flags = [
+        "--cache-ttl",
+        "1s",
+        "--ttl-jitter",
+        "0",
+        "--early-refresh-beta",
+        beta.as_str(),
+        "--redis-timeout",
+        "2s",
+    ];
+    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
+    assert_eq!(
+        apps[0].get("/posts/4").await.x_cache.as_deref(),
+        Some("miss")
+    );
+
+    let run = Duration::from_secs(4);
+    let started = Instant::now();
+    let mut replies = Vec::new();
+    while started.elapsed() < run {
+        replies.extend(burst(&apps, "/posts/4", 4).await);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for app in apps {
+        app.stop().await;
+    }
+
+    assert!(replies.iter().all(|r| r.status == 200));
+    let not_hits: Vec<_> = tags(&replies).into_iter().filter(|t| *t != "hit").collect();
+    assert!(
+        not_hits.is_empty(),
+        "{} requests waited: {not_hits:?}",
+        not_hits.len()
+    );
+    let loads = env.post_reads().await - before;
+    // The warm-up load, then refreshes: at least one per 1 s period (no
+    // request missed), and about one per period for the whole fleet, never
+    // one per instance or per request (periods last 1 s minus the early part).
+    assert!(
+        (5..=9).contains(&loads),
+        "{loads} loads in {run:?} (Δ {load_time:?}, β {beta})"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn when_loads_fail_the_fail_safe_copy_is_served_and_the_database_is_tried_once_per_failure_ttl(
+) {
+    let env = TestEnv::new(10).await;
+    let flags = [
+        "--cache-ttl",
+        "300ms",
+        "--ttl-jitter",
+        "0",
+        "--failure-ttl",
+        "500ms",
+        "--max-stale",
+        "1h",
+        "--redis-timeout",
+        "2s",
+    ];
+    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
+    let fresh = apps[0].get("/posts/5").await;
+    assert_eq!(fresh.x_cache.as_deref(), Some("miss"));
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert_eq!(
+        env.pttl(&env.keys.value(5)).await,
+        -2,
+        "the value key expired"
+    );
+    env.break_posts(true).await;
+    for app in &apps {
+        app.stop_pool_connections().await;
+    }
+    let rollbacks_before = env.rollbacks_now().await;
+
+    let run = Duration::from_millis(2_000);
+    let started = Instant::now();
+    let mut replies = Vec::new();
+    while started.elapsed() < run {
+        replies.extend(burst(&apps, "/posts/5", 10).await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    env.break_posts(false).await;
+    for app in apps.iter() {
+        app.stop_pool_connections().await;
+    }
+    let attempts = env.rollbacks_now().await - rollbacks_before;
+
+    assert!(
+        replies.iter().all(|r| r.status == 200),
+        "{:?}",
+        replies.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    assert!(
+        tags(&replies).iter().all(|t| *t == "stale"),
+        "{:?}",
+        tags(&replies)
+    );
+    assert!(replies.iter().all(|r| r.body == fresh.body));
+    assert!(replies.iter().all(|r| r
+        .headers
+        .get("warning")
+        .map(|w| w.to_str().unwrap().starts_with("111"))
+        == Some(true)));
+    // 2 s at one attempt per 500 ms (±10% jitter) for the whole fleet.
+    assert!(
+        (2..=6).contains(&attempts),
+        "{attempts} failed loads in {run:?}"
+    );
+
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let recovered = apps[1].get("/posts/5").await;
+    assert_eq!(
+        (recovered.status, recovered.x_cache.as_deref()),
+        (200, Some("miss"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cold_key_whose_load_failed_answers_503_at_once_during_failure_ttl() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&["--failure-ttl", "3s", "--redis-timeout", "2s"])
+        .await;
+    env.break_posts(true).await;
+    app.stop_pool_connections().await;
+    let before = env.rollbacks_now().await;
+
+    let first = app.get("/posts/6").await;
+    let started = Instant::now();
+    let rest = burst(std::slice::from_ref(&app), "/posts/6", 30).await;
+    let took = started.elapsed();
+    app.stop_pool_connections().await;
+    let attempts = env.rollbacks_now().await - before;
+
+    assert_eq!(first.status, 503);
+    assert!(rest.iter().all(|r| r.status == 503));
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    assert_eq!(attempts, 1, "only the first request tried the database");
+    env.break_posts(false).await;
+}
+
+#[tokio::test]
+async fn etags_are_stable_and_a_matching_if_none_match_gets_304() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&["--cache-ttl", "60s", "--stale-while-revalidate", "30s"])
+        .await;
+
+    let first = app.get("/posts/7").await;
+    let second = app.get("/posts/7").await;
+    let etag = first.headers["etag"].to_str().unwrap().to_owned();
+    let revalidated = app
+        .http
+        .get(format!("{}/posts/7", app.base))
+        .header("if-none-match", &etag)
+        .send()
+        .await
+        .unwrap();
+    let other = app
+        .http
+        .get(format!("{}/posts/7", app.base))
+        .header("if-none-match", "\"0000000000000000\"")
+        .send()
+        .await
+        .unwrap();
+
+    assert_eq!(
+        second.headers["etag"],
+        etag.as_str(),
+        "stable across a miss and a hit"
+    );
+    assert!(
+        etag.starts_with('"') && etag.ends_with('"'),
+        "a strong ETag: {etag}"
+    );
+    let cache_control = first.headers["cache-control"].to_str().unwrap();
+    assert!(
+        cache_control.starts_with("public, max-age="),
+        "{cache_control}"
+    );
+    assert!(
+        cache_control.ends_with("stale-while-revalidate=30"),
+        "{cache_control}"
+    );
+    let max_age: u64 = cache_control["public, max-age=".len()..]
+        .split(',')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((50..=66).contains(&max_age), "max-age {max_age}");
+    assert!(second.headers.get("age").is_some());
+    assert_eq!(revalidated.status(), 304);
+    assert_eq!(revalidated.headers()["etag"], etag.as_str());
+    assert!(revalidated.bytes().await.unwrap().is_empty());
+    assert_eq!(other.status(), 200);
+
+    sqlx::query("update posts set title = 'changed' where id = 7")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    let _: () = env.redis.del(env.keys.value(7)).await.unwrap();
+    let changed = app.get("/posts/7").await;
+    assert_eq!(changed.json()["title"], "changed");
+    assert_ne!(
+        changed.headers["etag"],
+        etag.as_str(),
+        "a new body, a new ETag"
+    );
+}
