@@ -415,8 +415,11 @@ impl<S: Source> ReadPath<S> {
         let (role, outcome) = self
             .flights
             .run(key.clone(), move || {
-                this.fly(key, redis_up)
-                    .instrument(tracing::info_span!("flight"))
+                this.fly(key, redis_up).instrument(tracing::info_span!(
+                    "flight",
+                    role = tracing::field::Empty,
+                    load_ms = tracing::field::Empty
+                ))
             })
             .await;
         span.record(
@@ -490,7 +493,10 @@ impl<S: Source> ReadPath<S> {
                     .unwrap_or_else(PoisonError::into_inner)
                     .remove(&key);
             }
-            .instrument(tracing::info_span!("refresh")),
+            .instrument(tracing::info_span!(
+                "refresh",
+                load_ms = tracing::field::Empty
+            )),
         );
     }
 

@@ -40,6 +40,24 @@ pub const GARBAGE: &str = "postcache_garbage_total";
 /// Background refreshes by result: refreshed, lost (another holds the lock), failed.
 pub const REFRESHES: &str = "postcache_refreshes_total";
 
+/// Every metric name, for checks that dashboards name only what exists.
+pub const ALL: &[&str] = &[
+    REQUESTS,
+    REQUEST_DURATION,
+    HTTP_ERRORS,
+    DB_LOADS,
+    DB_LOAD_DURATION,
+    LOCK_ELECTIONS,
+    WAITS,
+    WAIT_DURATION,
+    REDIS_ERRORS,
+    BREAKER_STATE,
+    SUBSCRIBED_CHANNELS,
+    FLIGHTS,
+    GARBAGE,
+    REFRESHES,
+];
+
 /// Buckets for request, load and wait durations: 0.5 ms to 10 s.
 const SECONDS_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -147,4 +165,40 @@ pub fn garbage(kind: &'static str) {
 
 pub fn refresh(result: &'static str) {
     counter!(REFRESHES, "result" => result).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The provisioned dashboard is valid JSON and every query names metrics
+    /// that this service exports.
+    #[test]
+    fn the_dashboard_queries_only_metrics_that_exist() {
+        let raw = include_str!("../../deploy/grafana/dashboards/postcache.json");
+        let dashboard: serde_json::Value = serde_json::from_str(raw).expect("valid JSON");
+        let panels = dashboard["panels"].as_array().expect("panels");
+        assert!(panels.len() >= 5);
+        let mut queries = 0;
+        for panel in panels {
+            for target in panel["targets"].as_array().expect("targets") {
+                let expr = target["expr"].as_str().expect("an expr");
+                queries += 1;
+                let mut named = 0;
+                for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                    if !word.starts_with("postcache_") {
+                        continue;
+                    }
+                    named += 1;
+                    let base = ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|s| word.strip_suffix(s))
+                        .unwrap_or(word);
+                    assert!(ALL.contains(&base), "{word} in {expr:?} is not exported");
+                }
+                assert!(named > 0, "{expr:?} names no postcache metric");
+            }
+        }
+        assert!(queries >= 10);
+    }
 }

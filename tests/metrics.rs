@@ -1,0 +1,160 @@
+//! Metrics: a stampede and a fail-open episode move the counters exactly as
+//! they should. The recorder is process-wide, so this binary holds one test.
+
+mod support;
+
+use std::{collections::HashMap, time::Duration};
+
+use futures::future::join_all;
+use support::{blocked_loads, TableLock, TestApp, TestEnv};
+
+/// Parses the Prometheus text format into `name{labels}` → value.
+fn parse(text: &str) -> HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+async fn scrape(app: &TestApp) -> (String, HashMap<String, f64>) {
+    let reply = app.get("/metrics").await;
+    assert_eq!(reply.status, 200);
+    let text = String::from_utf8(reply.body.to_vec()).unwrap();
+    let parsed = parse(&text);
+    (text, parsed)
+}
+
+fn get(m: &HashMap<String, f64>, series: &str) -> f64 {
+    m.get(series).copied().unwrap_or(0.0)
+}
+
+fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, series: &str) -> f64 {
+    get(after, series) - get(before, series)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
+    let env = TestEnv::new(10).await;
+    let flags = [
+        "--redis-timeout",
+        "2s",
+        "--wait-timeout",
+        "20s",
+        "--lock-ttl",
+        "25s",
+        "--db-statement-timeout",
+        "20s",
+    ];
+    let apps = join_all((0..3).map(|_| env.spawn(&flags))).await;
+    let (_, before) = scrape(&apps[0]).await;
+
+    // A stampede: 1,000 requests over 3 instances, the leader held back.
+    let lock = TableLock::take(&env).await;
+    let requests: Vec<_> = (0..1000)
+        .map(|i| {
+            let app = &apps[i % 3];
+            let (http, url) = (app.http.clone(), format!("{}/posts/7", app.base));
+            tokio::spawn(async move { http.get(url).send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    while apps.iter().map(TestApp::reads_in_progress).sum::<usize>() < 1000
+        || blocked_loads(&env).await < 1
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    lock.release().await;
+    for status in join_all(requests).await {
+        assert_eq!(status.unwrap(), 200);
+    }
+    let (text, after) = scrape(&apps[0]).await;
+
+    let d = |s: &str| delta(&before, &after, s);
+    assert_eq!(d(r#"postcache_requests_total{outcome="miss"}"#), 1.0);
+    assert_eq!(
+        d(r#"postcache_requests_total{outcome="coalesced_local"}"#)
+            + d(r#"postcache_requests_total{outcome="coalesced_remote"}"#),
+        999.0
+    );
+    // Two other instances learnt the outcome from the leader's message.
+    assert_eq!(
+        d(r#"postcache_requests_total{outcome="coalesced_remote"}"#),
+        2.0
+    );
+    assert_eq!(d(r#"postcache_db_loads_total{result="found"}"#), 1.0);
+    assert_eq!(d(r#"postcache_lock_elections_total{result="won"}"#), 1.0);
+    assert_eq!(d(r#"postcache_lock_elections_total{result="lost"}"#), 2.0);
+    assert_eq!(d(r#"postcache_waits_total{ended_by="message"}"#), 2.0);
+    assert_eq!(d(r#"postcache_waits_total{ended_by="timeout"}"#), 0.0);
+    assert_eq!(d("postcache_wait_duration_seconds_count"), 2.0);
+    assert_eq!(
+        d(r#"postcache_request_duration_seconds_count{outcome="miss"}"#),
+        1.0
+    );
+    assert_eq!(d(r#"postcache_http_errors_total{status="504"}"#), 0.0);
+    assert_eq!(get(&after, "postcache_flights_in_progress"), 0.0);
+    promtool_accepts(&text);
+
+    // A fail-open episode: an instance whose Redis is gone.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let down = env
+        .spawn(&[
+            "--redis-url",
+            &format!("redis://127.0.0.1:{closed}"),
+            "--redis-timeout",
+            "100ms",
+        ])
+        .await;
+    let (_, before) = scrape(&down).await;
+    for id in 1..=10 {
+        let reply = down.get(&format!("/posts/{id}")).await;
+        assert_eq!(
+            (reply.status, reply.x_cache.as_deref()),
+            (200, Some("bypass"))
+        );
+    }
+    let (text, after) = scrape(&down).await;
+    let d = |s: &str| delta(&before, &after, s);
+    assert_eq!(d(r#"postcache_requests_total{outcome="bypass"}"#), 10.0);
+    assert_eq!(d(r#"postcache_db_loads_total{result="found"}"#), 10.0);
+    assert!(
+        d(r#"postcache_redis_errors_total{kind="circuit_open"}"#) >= 1.0,
+        "the breaker opened"
+    );
+    assert_eq!(get(&after, "postcache_redis_breaker_state"), 1.0);
+    promtool_accepts(&text);
+}
+
+/// `promtool check metrics` when promtool is installed (CI installs it).
+fn promtool_accepts(text: &str) {
+    use std::{io::Write, process::Command, process::Stdio};
+    let Ok(mut child) = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    else {
+        eprintln!("promtool not installed: exposition not linted");
+        return;
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool rejected the metrics:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
