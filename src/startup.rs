@@ -130,8 +130,10 @@ impl Application {
 /// The command client and the shared subscriber, both reconnecting for ever.
 async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberClient)> {
     // The URL may hold a password: never put it in an error message.
-    let config = RedisConfig::from_url(&args.cache.redis_url)
+    let mut config = RedisConfig::from_url(&args.cache.redis_url)
         .map_err(|e| anyhow::anyhow!("invalid REDIS_URL: {}", e.kind().to_str()))?;
+    // Redis down at start is not fatal: keep reconnecting, serve fail-open meanwhile.
+    config.fail_fast = false;
     let mut builder = Builder::from_config(config);
     builder
         .set_policy(ReconnectPolicy::new_exponential(

@@ -2,6 +2,8 @@
 //! real service in-process on 127.0.0.1:0 against the real PostgreSQL and Redis.
 #![allow(dead_code)] // each test binary uses a different part of this module
 
+pub mod faults;
+
 use std::{
     sync::{Arc, Once},
     time::{Duration, Instant},
@@ -70,6 +72,16 @@ impl TestEnv {
     }
 
     pub async fn with_redis(posts: u64, redis_url: String) -> Self {
+        Self::build(posts, redis_url, true).await
+    }
+
+    /// As [`TestEnv::with_redis`] for a Redis that may be down: the test's own
+    /// client connects in the background.
+    pub async fn with_redis_lazy(posts: u64, redis_url: String) -> Self {
+        Self::build(posts, redis_url, false).await
+    }
+
+    async fn build(posts: u64, redis_url: String, redis_up: bool) -> Self {
         init_tracing();
         let tag = format!("{:016x}", rand::rng().random::<u64>());
         let db_name = format!("postcache_test_{tag}");
@@ -97,9 +109,14 @@ impl TestEnv {
             .await
             .expect("failed to connect to the test database");
         let redis = Builder::from_config(Config::from_url(&redis_url).unwrap())
+            .set_policy(fred::types::config::ReconnectPolicy::new_constant(0, 100))
             .build()
             .unwrap();
-        redis.init().await.expect("failed to connect to Redis");
+        if redis_up {
+            redis.init().await.expect("failed to connect to Redis");
+        } else {
+            drop(redis.connect());
+        }
         let prefix = format!("t{tag}:");
         Self {
             keys: Keys::new(prefix.clone(), "post"),
