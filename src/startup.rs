@@ -127,13 +127,54 @@ impl Application {
     }
 }
 
-/// The command client and the shared subscriber, both reconnecting for ever.
-async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberClient)> {
+/// Reads REDIS_URL: `redis://` or `rediss://` for one server,
+/// `redis-cluster://host:port[,host:port…]` (or `rediss-cluster://`) for a
+/// Redis Cluster, whose nodes may also be given as `?node=host:port`.
+pub fn redis_config(url: &str) -> anyhow::Result<RedisConfig> {
+    let url = cluster_nodes_as_query(url);
     // The URL may hold a password: never put it in an error message.
-    let mut config = RedisConfig::from_url(&args.cache.redis_url)
+    let mut config = RedisConfig::from_url(&url)
         .map_err(|e| anyhow::anyhow!("invalid REDIS_URL: {}", e.kind().to_str()))?;
     // Redis down at start is not fatal: keep reconnecting, serve fail-open meanwhile.
     config.fail_fast = false;
+    Ok(config)
+}
+
+/// `redis-cluster://a:1,b:2,c:3` → `redis-cluster://a:1?node=b:2&node=c:3`,
+/// the form the client library reads.
+fn cluster_nodes_as_query(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    if !scheme.ends_with("-cluster") {
+        return url.to_owned();
+    }
+    let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    let (credentials, hosts) = match authority.rsplit_once('@') {
+        Some((c, h)) => (format!("{c}@"), h),
+        None => (String::new(), authority),
+    };
+    let mut hosts = hosts.split(',').filter(|h| !h.is_empty());
+    let Some(first) = hosts.next() else {
+        return url.to_owned();
+    };
+    let extra: Vec<String> = hosts.map(|h| format!("node={h}")).collect();
+    if extra.is_empty() {
+        return url.to_owned();
+    }
+    let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
+    let mut params: Vec<String> = query
+        .split('&')
+        .filter(|q| !q.is_empty())
+        .map(str::to_owned)
+        .collect();
+    params.extend(extra);
+    format!("{scheme}://{credentials}{first}{path}?{}", params.join("&"))
+}
+
+/// The command client and the shared subscriber, both reconnecting for ever.
+async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberClient)> {
+    let config = redis_config(&args.cache.redis_url)?;
     let mut builder = Builder::from_config(config);
     builder
         .set_policy(ReconnectPolicy::new_exponential(
@@ -203,4 +244,32 @@ pub async fn shutdown_signal() {
         () = terminate => {},
     }
     tracing::info!("shutdown signal received");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_urls_list_their_nodes_with_commas() {
+        assert_eq!(
+            cluster_nodes_as_query("redis-cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002"),
+            "redis-cluster://127.0.0.1:7000?node=127.0.0.1:7001&node=127.0.0.1:7002"
+        );
+        assert_eq!(
+            cluster_nodes_as_query("rediss-cluster://u:p@a:1,b:2"),
+            "rediss-cluster://u:p@a:1?node=b:2"
+        );
+        assert_eq!(cluster_nodes_as_query("redis://a:1"), "redis://a:1");
+        assert_eq!(
+            cluster_nodes_as_query("redis-cluster://a:1?node=b:2"),
+            "redis-cluster://a:1?node=b:2"
+        );
+        let config = redis_config("redis-cluster://127.0.0.1:7000,127.0.0.1:7001").unwrap();
+        assert!(config.server.is_clustered());
+        assert!(!redis_config("redis://127.0.0.1:6379")
+            .unwrap()
+            .server
+            .is_clustered());
+    }
 }

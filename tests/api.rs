@@ -253,9 +253,10 @@ async fn a_request_in_flight_finishes_after_the_shutdown_signal() {
         let (http, base) = (app.http.clone(), app.base.clone());
         tokio::spawn(async move { http.get(format!("{base}/posts/1")).send().await })
     };
-    while support::blocked_loads(&env).await == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_while!(
+        "requests to arrive and the leader to block",
+        support::blocked_loads(&env).await == 0
+    );
 
     let stopping = tokio::spawn(app.stop());
     tokio::time::sleep(Duration::from_millis(200)).await;

@@ -104,11 +104,11 @@ async fn when_redis_dies_mid_traffic_requests_fail_open_and_pubsub_resumes_after
             })
         })
         .collect();
-    while apps.iter().map(TestApp::reads_in_progress).sum::<usize>() < 40
-        || blocked_loads(&env).await < 1
-    {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_while!(
+        "requests to arrive and the leader to block",
+        apps.iter().map(TestApp::reads_in_progress).sum::<usize>() < 40
+            || blocked_loads(&env).await < 1
+    );
     lock.release().await;
     let stampede: Vec<_> = join_all(requests)
         .await
@@ -172,9 +172,10 @@ async fn a_killed_leader_is_replaced_after_its_lock_expires_with_exactly_one_mor
         let url = format!("{}/posts/3", leader.base);
         async move { http.get(url).send().await }
     });
-    while blocked_loads(&env).await < 1 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_while!(
+        "requests to arrive and the leader to block",
+        blocked_loads(&env).await < 1
+    );
     let waiting: Vec<_> = (0..20)
         .map(|_| {
             let (http, url) = (waiter.http.clone(), format!("{}/posts/3", waiter.base));
@@ -184,9 +185,10 @@ async fn a_killed_leader_is_replaced_after_its_lock_expires_with_exactly_one_mor
             })
         })
         .collect();
-    while waiter.reads_in_progress() < 20 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_while!(
+        "requests to arrive and the leader to block",
+        waiter.reads_in_progress() < 20
+    );
 
     leader.signal("KILL");
     let killed = Instant::now();
@@ -346,9 +348,10 @@ async fn an_exhausted_pool_answers_503_after_the_acquire_timeout() {
         let (http, url) = (app.http.clone(), format!("{}/posts/1", app.base));
         tokio::spawn(async move { http.get(url).send().await.unwrap().status().as_u16() })
     };
-    while blocked_loads(&env).await < 1 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_while!(
+        "requests to arrive and the leader to block",
+        blocked_loads(&env).await < 1
+    );
 
     let others = statuses(&app, 2..=4).await;
     lock.release().await;
@@ -386,18 +389,20 @@ async fn sigterm_lets_a_leader_finish_and_publish_so_remote_waiters_answer_promp
         let url = format!("{}/posts/6", leader.base);
         async move { reqwest::get(url).await.map(|r| r.status().as_u16()) }
     });
-    while blocked_loads(&env).await < 1 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_while!(
+        "requests to arrive and the leader to block",
+        blocked_loads(&env).await < 1
+    );
     let waiting: Vec<_> = (0..10)
         .map(|_| {
             let (http, url) = (waiter.http.clone(), format!("{}/posts/6", waiter.base));
             tokio::spawn(async move { http.get(url).send().await.unwrap().status().as_u16() })
         })
         .collect();
-    while waiter.reads_in_progress() < 10 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_while!(
+        "requests to arrive and the leader to block",
+        waiter.reads_in_progress() < 10
+    );
 
     leader.signal("TERM");
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -444,9 +449,10 @@ async fn past_the_concurrency_limit_requests_get_a_fast_503() {
             tokio::spawn(async move { http.get(url).send().await.unwrap().status().as_u16() })
         })
         .collect();
-    while app.reads_in_progress() < 10 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_while!(
+        "requests to arrive and the leader to block",
+        app.reads_in_progress() < 10
+    );
 
     let started = Instant::now();
     let shed = join_all((0..20).map(|_| app.get("/posts/8"))).await;
@@ -547,9 +553,7 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
         })
     };
     let channel = env.keys.channel(2);
-    while env.numsub(&channel).await == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_while!("the subscription", env.numsub(&channel).await == 0);
 
     for garbage in [&b"garbage"[..], b"", &[1u8; 40]] {
         let _: () = env.redis.publish(&channel, garbage).await.unwrap();

@@ -3,7 +3,7 @@
 
 mod support;
 
-use std::{collections::HashMap, time::Duration};
+use std::collections::HashMap;
 
 use futures::future::join_all;
 use support::{blocked_loads, TableLock, TestApp, TestEnv};
@@ -60,11 +60,11 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
             tokio::spawn(async move { http.get(url).send().await.unwrap().status().as_u16() })
         })
         .collect();
-    while apps.iter().map(TestApp::reads_in_progress).sum::<usize>() < 1000
-        || blocked_loads(&env).await < 1
-    {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_while!(
+        "requests to arrive and the leader to block",
+        apps.iter().map(TestApp::reads_in_progress).sum::<usize>() < 1000
+            || blocked_loads(&env).await < 1
+    );
     lock.release().await;
     for status in join_all(requests).await {
         assert_eq!(status.unwrap(), 200);

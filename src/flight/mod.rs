@@ -258,6 +258,7 @@ struct InProgress<'a>(&'a AtomicUsize);
 impl<'a> InProgress<'a> {
     fn enter(counter: &'a AtomicUsize) -> Self {
         counter.fetch_add(1, Ordering::Relaxed);
+        metrics::reads(1.0);
         Self(counter)
     }
 }
@@ -265,6 +266,7 @@ impl<'a> InProgress<'a> {
 impl Drop for InProgress<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+        metrics::reads(-1.0);
     }
 }
 

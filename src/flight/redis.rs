@@ -28,7 +28,9 @@ use crate::{
 ///
 /// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy.
 /// ARGV[1] entry, ARGV[2] value TTL ms (0: do not store), ARGV[3] token,
-/// ARGV[4] channel, ARGV[5] fail-safe copy TTL ms (0: none), ARGV[6] FAILURE_TTL ms.
+/// ARGV[4] channel, ARGV[5] fail-safe copy TTL ms (0: none), ARGV[6] FAILURE_TTL ms,
+/// ARGV[7] the publish command: PUBLISH, or SPUBLISH on a Redis Cluster (the
+/// channel shares the keys' hash tag, so it lives on the same shard).
 /// Returns {receivers, released, published payload}.
 ///
 /// Envelope offsets used here (see `cache/entry.rs`): byte 2 is the status
@@ -55,7 +57,7 @@ else
     redis.call('SET', KEYS[3], entry, 'PX', ARGV[5])
   end
 end
-local receivers = redis.call('PUBLISH', ARGV[4], payload)
+local receivers = redis.call(ARGV[7], ARGV[4], payload)
 local released = 0
 if redis.call('GET', KEYS[2]) == ARGV[3] then
   redis.call('DEL', KEYS[2])
@@ -127,6 +129,8 @@ pub struct StoreFor {
 pub struct RedisCommands {
     client: Client,
     timeout: Duration,
+    /// A Redis Cluster: publish with SPUBLISH (sharded pub/sub).
+    sharded: bool,
     breaker: Arc<Breaker>,
     finish: Script,
     release: Script,
@@ -163,6 +167,7 @@ impl RedisCommands {
 
     pub fn with_breaker(client: Client, timeout: Duration, breaker: Arc<Breaker>) -> Self {
         Self {
+            sharded: client.is_clustered(),
             client,
             timeout,
             breaker,
@@ -260,6 +265,7 @@ impl RedisCommands {
             Value::from(channel),
             Value::Integer(ms(store.fail_safe)),
             Value::Integer(ms(store.failure)),
+            Value::from(if self.sharded { "SPUBLISH" } else { "PUBLISH" }),
         ];
         let (_receivers, released, payload): (i64, i64, Bytes) = self
             .bounded(self.finish.evalsha_with_reload(

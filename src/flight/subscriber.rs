@@ -58,6 +58,9 @@ struct Registered {
 /// The process's shared subscriber.
 pub struct Subscriber {
     client: SubscriberClient,
+    /// A Redis Cluster: sharded pub/sub (SSUBSCRIBE), so a ready message only
+    /// travels to the shard that owns the key.
+    sharded: bool,
     timeout: Duration,
     breaker: Arc<Breaker>,
     /// Channel name → slot. A std mutex: held only for map operations, never
@@ -78,6 +81,7 @@ impl Subscriber {
     /// dispatcher and the re-subscription task.
     pub fn start(client: SubscriberClient, timeout: Duration, breaker: Arc<Breaker>) -> Arc<Self> {
         let this = Arc::new(Self {
+            sharded: client.is_clustered(),
             client,
             timeout,
             breaker,
@@ -136,7 +140,11 @@ impl Subscriber {
         };
         let mut subscribed = subscription.slot.server_state.lock().await;
         if !*subscribed {
-            guarded(&self.breaker, self.timeout, self.client.subscribe(channel)).await?;
+            if self.sharded {
+                guarded(&self.breaker, self.timeout, self.client.ssubscribe(channel)).await?;
+            } else {
+                guarded(&self.breaker, self.timeout, self.client.subscribe(channel)).await?;
+            }
             *subscribed = true;
             metrics::subscribed_channels(1.0);
         }
@@ -164,7 +172,14 @@ impl Subscriber {
                 return; // a new listener arrived: keep the subscription
             }
             if *subscribed {
-                match tokio::time::timeout(this.timeout, this.client.unsubscribe(&channel)).await {
+                let unsubscribe = async {
+                    if this.sharded {
+                        this.client.sunsubscribe(&channel).await
+                    } else {
+                        this.client.unsubscribe(&channel).await
+                    }
+                };
+                match tokio::time::timeout(this.timeout, unsubscribe).await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => tracing::debug!(error = %e, channel, "unsubscribe failed"),
                     Err(_) => tracing::debug!(channel, "unsubscribe timed out"),

@@ -35,6 +35,8 @@ pub const BREAKER_STATE: &str = "postcache_redis_breaker_state";
 pub const SUBSCRIBED_CHANNELS: &str = "postcache_subscribed_channels";
 /// In-process flights in progress.
 pub const FLIGHTS: &str = "postcache_flights_in_progress";
+/// Reads of `GET /posts/{id}` not yet answered (waiting requests included).
+pub const READS: &str = "postcache_reads_in_progress";
 /// Undecodable bytes met, by where: entry, message.
 pub const GARBAGE: &str = "postcache_garbage_total";
 /// Background refreshes by result: refreshed, lost (another holds the lock), failed.
@@ -54,6 +56,7 @@ pub const ALL: &[&str] = &[
     BREAKER_STATE,
     SUBSCRIBED_CHANNELS,
     FLIGHTS,
+    READS,
     GARBAGE,
     REFRESHES,
 ];
@@ -115,6 +118,7 @@ fn describe() {
         "Ready channels this process is subscribed to."
     );
     describe_gauge!(FLIGHTS, "In-process flights in progress.");
+    describe_gauge!(READS, "Reads not yet answered, waiting ones included.");
     describe_counter!(GARBAGE, "Undecodable cache entries or ready messages met.");
     describe_counter!(REFRESHES, "Background refreshes by result.");
 }
@@ -157,6 +161,10 @@ pub fn subscribed_channels(delta: f64) {
 
 pub fn flights(delta: f64) {
     gauge!(FLIGHTS).increment(delta);
+}
+
+pub fn reads(delta: f64) {
+    gauge!(READS).increment(delta);
 }
 
 pub fn garbage(kind: &'static str) {

@@ -285,3 +285,201 @@ impl Drop for ServiceProcess {
         let _ = std::fs::remove_file(&self.log);
     }
 }
+
+/// A local Redis Cluster of `masters` masters (and `replicas` replicas each)
+/// from `redis-server --cluster-enabled yes` on free ports, in a temp dir,
+/// created with `redis-cli --cluster create`, killed on drop.
+pub struct RedisCluster {
+    pub ports: Vec<u16>,
+    dir: PathBuf,
+    nodes: Vec<Option<Child>>,
+}
+
+/// A port free for the node and for its cluster bus (port + 10000).
+fn free_cluster_port(taken: &[u16]) -> u16 {
+    loop {
+        let port = 20_000 + (rand::random::<u16>() % 20_000);
+        if taken.contains(&port) {
+            continue;
+        }
+        let ok = StdListener::bind(("127.0.0.1", port)).is_ok()
+            && StdListener::bind(("127.0.0.1", port + 10_000)).is_ok();
+        if ok {
+            return port;
+        }
+    }
+}
+
+impl RedisCluster {
+    pub fn start(masters: usize, replicas: usize) -> Self {
+        let count = masters * (1 + replicas);
+        let mut ports = Vec::new();
+        for _ in 0..count {
+            let port = free_cluster_port(&ports);
+            ports.push(port);
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "postcache-cluster-{}-{}",
+            ports[0],
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut cluster = Self {
+            ports: ports.clone(),
+            dir,
+            nodes: Vec::new(),
+        };
+        for i in 0..count {
+            let child = cluster.spawn_node(i);
+            cluster.nodes.push(Some(child));
+        }
+        for &port in &ports {
+            wait_for_ping(port);
+        }
+        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        cluster.wait_until_ok();
+        cluster
+    }
+
+    fn spawn_node(&self, i: usize) -> Child {
+        let port = self.ports[i];
+        Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+            ])
+            .args([
+                "--cluster-config-file",
+                &format!("nodes-{port}.conf"),
+                "--cluster-node-timeout",
+                "1000",
+            ])
+            // A replica may always take over (its data is a cache).
+            .args(["--cluster-replica-validity-factor", "0"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed")
+    }
+
+    /// Waits until every live node reports `cluster_state:ok`.
+    pub fn wait_until_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for (i, &port) in self.ports.iter().enumerate() {
+            if self.nodes.get(i).is_some_and(Option::is_none) {
+                continue;
+            }
+            while !self
+                .cli(port, &["cluster", "info"])
+                .contains("cluster_state:ok")
+            {
+                assert!(Instant::now() < deadline, "cluster not ok on {port}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// `redis-cluster://127.0.0.1:p1,127.0.0.1:p2,…` (the masters' seeds).
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("redis-cluster://{}", hosts.join(","))
+    }
+
+    pub fn cli(&self, port: u16, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &port.to_string()])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// The port of the master that serves `key`'s slot.
+    pub fn master_of(&self, key: &str) -> u16 {
+        let slot: u16 = self
+            .cli(self.ports[0], &["cluster", "keyslot", key])
+            .parse()
+            .unwrap();
+        let nodes = self.cli(self.ports[0], &["cluster", "nodes"]);
+        for line in nodes.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if !fields[2].contains("master") || fields[2].contains("fail") {
+                continue;
+            }
+            let port: u16 = fields[1].split(['@', ':']).nth(1).unwrap().parse().unwrap();
+            for range in &fields[8..] {
+                let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+                if let (Ok(lo), Ok(hi)) = (lo.parse::<u16>(), hi.parse::<u16>()) {
+                    if (lo..=hi).contains(&slot) {
+                        return port;
+                    }
+                }
+            }
+        }
+        panic!("no master serves slot {slot}")
+    }
+
+    /// SIGKILL the node on `port`.
+    pub fn kill(&mut self, port: u16) {
+        let i = self.ports.iter().position(|p| *p == port).unwrap();
+        if let Some(mut child) = self.nodes[i].take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the node on `port` again (it rejoins with its nodes.conf).
+    pub fn restart(&mut self, port: u16) {
+        let i = self.ports.iter().position(|p| *p == port).unwrap();
+        let child = self.spawn_node(i);
+        self.nodes[i] = Some(child);
+        wait_for_ping(port);
+    }
+}
+
+fn wait_for_ping(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = Command::new("redis-cli")
+            .args(["-p", &port.to_string(), "ping"])
+            .output();
+        if out.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG") {
+            return;
+        }
+        assert!(Instant::now() < deadline, "redis node {port} did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for child in self.nodes.iter_mut().filter_map(Option::take) {
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -2,7 +2,26 @@
 //! real service in-process on 127.0.0.1:0 against the real PostgreSQL and Redis.
 #![allow(dead_code)] // each test binary uses a different part of this module
 
+// Defined before the submodules, which use it.
+/// Waits while `$cond` holds (it may `.await`), failing the test after 30 s:
+/// no test waits without a bound.
+#[macro_export]
+macro_rules! wait_while {
+    ($what:expr, $cond:expr) => {{
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while $cond {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {}",
+                $what
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }};
+}
+
 pub mod faults;
+pub mod scenarios;
 
 use std::{
     sync::{Arc, Once},
@@ -108,7 +127,7 @@ impl TestEnv {
             .connect(&db_url)
             .await
             .expect("failed to connect to the test database");
-        let redis = Builder::from_config(Config::from_url(&redis_url).unwrap())
+        let redis = Builder::from_config(postcache::startup::redis_config(&redis_url).unwrap())
             .set_policy(fred::types::config::ReconnectPolicy::new_constant(0, 100))
             .build()
             .unwrap();
@@ -248,10 +267,21 @@ impl TestEnv {
         self.redis.pttl(key).await.unwrap()
     }
 
-    /// Subscribers of a channel on the server.
+    /// Subscribers of a channel on the server: PUBSUB NUMSUB, or on a
+    /// cluster PUBSUB SHARDNUMSUB summed over every primary.
     pub async fn numsub(&self, channel: &str) -> i64 {
-        let reply: Vec<Value> = self.redis.pubsub_numsub(channel).await.unwrap();
-        reply.get(1).and_then(Value::as_i64).unwrap_or(0)
+        let count = |reply: Vec<Value>| reply.get(1).and_then(Value::as_i64).unwrap_or(0);
+        if !self.redis.is_clustered() {
+            return count(self.redis.pubsub_numsub(channel).await.unwrap());
+        }
+        let mut total = 0;
+        let state = self.redis.cached_cluster_state().expect("cluster state");
+        for server in state.unique_primary_nodes() {
+            let node = self.redis.with_cluster_node(&server);
+            total += count(node.pubsub_shardnumsub(channel).await.unwrap());
+            total += count(node.pubsub_numsub(channel).await.unwrap());
+        }
+        total
     }
 }
 

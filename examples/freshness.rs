@@ -1,0 +1,141 @@
+//! Freshness benchmark: a hot key with a short CACHE_TTL under constant load,
+//! with stale-while-revalidate off, on, and with early refresh.
+//!
+//! ```text
+//! cargo run --release --example freshness [-- --seconds 30 --rate 400]
+//! ```
+//!
+//! The database is made slow for the run (posts becomes a view whose query
+//! sleeps 50 ms), so that waiting for a load shows. Each configuration runs
+//! two instances for the given time at a constant arrival rate on one post,
+//! and prints the share of requests that waited for a load (X-Cache miss or
+//! coalesced), the share served stale, latency quantiles and the loads.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use support::{TestApp, TestEnv};
+
+/// How long each load takes during the run.
+const SLOW_LOAD: &str = "0.05";
+
+fn arg(name: &str, default: u64) -> u64 {
+    let argv: Vec<String> = std::env::args().collect();
+    argv.iter()
+        .position(|a| a == name)
+        .and_then(|i| argv.get(i + 1))
+        .map_or(default, |v| v.parse().expect("a number"))
+}
+
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
+}
+
+async fn loads(env: &TestEnv) -> i64 {
+    let mut conn = env.after_service_backends_exit().await;
+    sqlx::query_scalar(
+        "select (coalesce(seq_scan, 0) + coalesce(idx_scan, 0))::bigint
+         from pg_stat_user_tables where relname = 'posts_data'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap()
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let seconds = arg("--seconds", 30);
+    let rate = arg("--rate", 400);
+    let env = TestEnv::new(10).await;
+    for sql in [
+        "alter table posts rename to posts_data".to_owned(),
+        format!(
+            "create view posts as select p.* from posts_data p
+             cross join lateral (select pg_sleep({SLOW_LOAD})) slow"
+        ),
+    ] {
+        sqlx::query(&sql).execute(&env.admin).await.unwrap();
+    }
+    let configs: [(&str, &[&str]); 3] = [
+        ("SWR off", &[]),
+        (
+            "SWR on (STALE_WHILE_REVALIDATE=10s)",
+            &["--stale-while-revalidate", "10s"],
+        ),
+        (
+            "early refresh (EARLY_REFRESH_BETA=1)",
+            &["--early-refresh-beta", "1"],
+        ),
+    ];
+    println!(
+        "hot key, CACHE_TTL=1s ±10%, loads of {} ms, {rate} requests/s over 2 instances for {seconds} s each",
+        (SLOW_LOAD.parse::<f64>().unwrap() * 1e3) as u64
+    );
+    println!("| configuration | requests | waited for a load | served stale | p50 ms | p99 ms | max ms | database loads |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (i, (name, extra)) in configs.iter().enumerate() {
+        let id = i as i64 + 1;
+        let mut flags = vec![
+            "--cache-ttl",
+            "1s",
+            "--ttl-jitter",
+            "0.1",
+            "--redis-timeout",
+            "1s",
+        ];
+        flags.extend_from_slice(extra);
+        let before = loads(&env).await;
+        let apps: Vec<TestApp> = join_all((0..2).map(|_| env.spawn(&flags))).await;
+        apps[0].get(&format!("/posts/{id}")).await; // warm-up
+
+        let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        let started = Instant::now();
+        let mut pending = Vec::new();
+        let mut n = 0usize;
+        while started.elapsed() < Duration::from_secs(seconds) {
+            tick.tick().await;
+            let app = &apps[n % 2];
+            let (http, url) = (app.http.clone(), format!("{}/posts/{id}", app.base));
+            pending.push(tokio::spawn(async move {
+                let t = Instant::now();
+                let r = http.get(url).send().await.unwrap();
+                let x = r
+                    .headers()
+                    .get("x-cache")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                let _ = r.bytes().await;
+                (x.unwrap_or_default(), t.elapsed())
+            }));
+            n += 1;
+        }
+        let results: Vec<_> = join_all(pending)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        for app in apps {
+            app.stop().await;
+        }
+        let db = loads(&env).await - before;
+        let waited = results
+            .iter()
+            .filter(|(x, _)| x == "miss" || x == "coalesced")
+            .count();
+        let stale = results.iter().filter(|(x, _)| x == "stale").count();
+        let mut lat: Vec<Duration> = results.iter().map(|(_, d)| *d).collect();
+        lat.sort();
+        println!(
+            "| {name} | {} | {:.2}% ({waited}) | {:.2}% | {:.2} | {:.2} | {:.2} | {db} |",
+            results.len(),
+            100.0 * waited as f64 / results.len() as f64,
+            100.0 * stale as f64 / results.len() as f64,
+            pct(&lat, 0.5),
+            pct(&lat, 0.99),
+            pct(&lat, 1.0),
+        );
+    }
+}

@@ -1,0 +1,127 @@
+//! Redis Cluster: a local 3-master cluster started by the test support, keys
+//! of one post on one slot, sharded pub/sub, and the single-flight scenarios.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use support::{
+    blocked_loads,
+    faults::RedisCluster,
+    scenarios::{self, fire, in_progress, PATIENT},
+    TableLock, TestEnv,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thousand_misses_over_three_instances_make_one_query_on_a_cluster() {
+    let cluster = RedisCluster::start(3, 0);
+    let env = TestEnv::with_redis(10, cluster.url()).await;
+    scenarios::a_thousand_misses_make_one_query(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_a_cluster_waiters_are_woken_by_sharded_pubsub_within_milliseconds() {
+    let cluster = RedisCluster::start(3, 0);
+    let env = TestEnv::with_redis(10, cluster.url()).await;
+    scenarios::waiters_answer_within_milliseconds_of_the_release(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_posts_keys_share_one_slot_and_waiters_use_shard_channels() {
+    let cluster = RedisCluster::start(3, 0);
+    let env = TestEnv::with_redis(10, cluster.url()).await;
+    let port = cluster.ports[0];
+    let slot = |key: &str| cluster.cli(port, &["cluster", "keyslot", key]);
+    let keys = [
+        env.keys.value(5),
+        env.keys.lock(5),
+        env.keys.channel(5),
+        env.keys.fail_safe(5),
+    ];
+    assert!(keys.iter().all(|k| slot(k) == slot(&keys[0])), "{keys:?}");
+
+    let apps = join_all((0..2).map(|_| env.spawn(PATIENT))).await;
+    let lock = TableLock::take(&env).await;
+    let requests = fire(&apps, "/posts/5", 20);
+    wait_while!(
+        "requests to arrive and the leader to block",
+        in_progress(&apps).await < 20 || blocked_loads(&env).await < 1
+    );
+    let owner = cluster.master_of(&env.keys.channel(5));
+    let channel = env.keys.channel(5);
+    // The waiting instance listens on the owning shard, with SSUBSCRIBE.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let sharded = cluster.cli(owner, &["pubsub", "shardnumsub", &channel]);
+        if sharded.lines().nth(1) == Some("1") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no shard subscriber: {sharded}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let classic: Vec<String> = cluster
+        .ports
+        .iter()
+        .map(|p| cluster.cli(*p, &["pubsub", "numsub", &channel]))
+        .collect();
+    lock.release().await;
+    let replies: Vec<_> = join_all(requests)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().0)
+        .collect();
+
+    assert!(
+        classic.iter().all(|r| r.lines().nth(1) == Some("0")),
+        "classic subscribers: {classic:?}"
+    );
+    assert!(replies.iter().all(|r| r.status == 200));
+    let misses = replies
+        .iter()
+        .filter(|r| r.x_cache.as_deref() == Some("miss"))
+        .count();
+    assert_eq!(misses, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_master_failover_is_survived_failing_open_meanwhile() {
+    let mut cluster = RedisCluster::start(3, 1);
+    let env = TestEnv::with_redis(30, cluster.url()).await;
+    let app = env.spawn(&["--redis-timeout", "200ms"]).await;
+    let victim = cluster.master_of(&env.keys.value(1));
+    assert_eq!(app.get("/posts/1").await.x_cache.as_deref(), Some("miss"));
+
+    cluster.kill(victim);
+    // Until a replica is promoted, requests on the dead master's slots fail
+    // open; the rest of the keyspace keeps caching.
+    let during: Vec<_> = join_all((1..=30).map(|id| {
+        let app = &app;
+        async move { app.get(&format!("/posts/{id}")).await }
+    }))
+    .await;
+    assert!(
+        during.iter().all(|r| r.status == 200),
+        "{:?}",
+        during.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+
+    // After the failover, caching resumes on those slots without a restart.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        // The test's own client may wait for the new topology: bound it.
+        let del = fred::prelude::KeysInterface::del::<(), _>(&env.redis, env.keys.value(1));
+        let _ = tokio::time::timeout(Duration::from_secs(1), del).await;
+        let x = app.get("/posts/1").await.x_cache;
+        let again = app.get("/posts/1").await.x_cache;
+        if x.as_deref() == Some("miss") && again.as_deref() == Some("hit") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "caching did not resume after the failover ({x:?}, {again:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    cluster.restart(victim);
+}
