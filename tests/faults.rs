@@ -48,11 +48,12 @@ async fn with_redis_down_at_start_requests_bypass_and_caching_resumes_when_it_re
         down.iter().all(|(s, x, _)| *s == 200 && x == "bypass"),
         "{down:?}"
     );
-    // The breaker stops paying the timeout: after the first few, fast.
+    // The breaker stops paying the timeout: after the first few, fast (two
+    // timed-out steps would cost at least 200 ms).
     assert!(
         down[5..]
             .iter()
-            .all(|(_, _, t)| *t < Duration::from_millis(90)),
+            .all(|(_, _, t)| *t < Duration::from_millis(150)),
         "{down:?}"
     );
     assert_eq!((again[0].1.as_str(), again[1].1.as_str()), ("miss", "hit"));
