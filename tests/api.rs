@@ -202,7 +202,7 @@ async fn healthz_is_ok_and_readyz_reports_both_backends() {
 #[tokio::test]
 async fn readyz_says_which_backend_is_down() {
     let env = TestEnv::new(1).await;
-    let closed = closed_port();
+    let closed = support::faults::free_port();
     let no_redis = env
         .spawn(&[
             "--redis-url",
@@ -265,10 +265,4 @@ async fn a_request_in_flight_finishes_after_the_shutdown_signal() {
     let reply = pending.await.unwrap().expect("the request was answered");
     assert_eq!(reply.status(), 200);
     stopping.await.unwrap();
-}
-
-/// A local port with nothing listening on it.
-fn closed_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
 }

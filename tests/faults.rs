@@ -11,6 +11,7 @@ use futures::future::join_all;
 use support::{
     blocked_loads,
     faults::{free_port, RedisServer, ServiceProcess, TcpProxy},
+    scenarios::fire,
     TableLock, TestApp, TestEnv,
 };
 
@@ -145,51 +146,69 @@ async fn a_paused_redis_costs_each_request_at_most_the_timeout_then_fails_open()
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_killed_leader_is_replaced_after_its_lock_expires_with_exactly_one_more_load() {
-    let env = TestEnv::new(10).await;
-    let before = env.post_reads().await;
+/// A leader in a process of its own, held inside its load of post `id` by a
+/// table lock, and `n` requests waiting for it on an in-process instance.
+struct HeldLeader {
+    leader: ServiceProcess,
+    waiter: TestApp,
+    lock: TableLock,
+    leader_request: tokio::task::JoinHandle<Result<u16, reqwest::Error>>,
+    waiting: Vec<tokio::task::JoinHandle<(support::Reply, Instant)>>,
+}
+
+async fn held_leader(
+    env: &TestEnv,
+    id: i64,
+    lock_ttl: &str,
+    statement_timeout: &str,
+    n: usize,
+) -> HeldLeader {
     let leader = ServiceProcess::start(&[
         ("DATABASE_URL", env.db_url.clone()),
         ("KEY_PREFIX", env.prefix.clone()),
         ("NO_MIGRATE", "true".into()),
-        ("LOCK_TTL", "1s".into()),
-        ("DB_STATEMENT_TIMEOUT", "900ms".into()),
+        ("LOCK_TTL", lock_ttl.into()),
+        ("DB_STATEMENT_TIMEOUT", statement_timeout.into()),
     ])
     .await;
     let waiter = env
         .spawn(&[
             "--wait-timeout",
-            "10s",
+            "15s",
             "--lock-ttl",
-            "1s",
+            lock_ttl,
             "--db-statement-timeout",
-            "900ms",
+            statement_timeout,
         ])
         .await;
-    let lock = TableLock::take(&env).await;
-    let http = reqwest::Client::new();
+    let lock = TableLock::take(env).await;
     let leader_request = tokio::spawn({
-        let url = format!("{}/posts/3", leader.base);
-        async move { http.get(url).send().await }
+        let url = format!("{}/posts/{id}", leader.base);
+        async move { reqwest::get(url).await.map(|r| r.status().as_u16()) }
     });
-    wait_while!(
-        "requests to arrive and the leader to block",
-        blocked_loads(&env).await < 1
-    );
-    let waiting: Vec<_> = (0..20)
-        .map(|_| {
-            let (http, url) = (waiter.http.clone(), format!("{}/posts/3", waiter.base));
-            tokio::spawn(async move {
-                let r = http.get(url).send().await.unwrap();
-                (r.status().as_u16(), Instant::now())
-            })
-        })
-        .collect();
-    wait_while!(
-        "requests to arrive and the leader to block",
-        waiter.reads_in_progress() < 20
-    );
+    wait_while!("the leader to block", blocked_loads(env).await < 1);
+    let waiting = fire(std::slice::from_ref(&waiter), &format!("/posts/{id}"), n);
+    wait_while!("the waiters to arrive", waiter.reads_in_progress() < n);
+    HeldLeader {
+        leader,
+        waiter,
+        lock,
+        leader_request,
+        waiting,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_leader_is_replaced_after_its_lock_expires_with_exactly_one_more_load() {
+    let env = TestEnv::new(10).await;
+    let before = env.post_reads().await;
+    let HeldLeader {
+        leader,
+        waiter,
+        lock,
+        leader_request,
+        waiting,
+    } = held_leader(&env, 3, "1s", "900ms", 20).await;
 
     leader.signal("KILL");
     let killed = Instant::now();
@@ -214,7 +233,7 @@ async fn a_killed_leader_is_replaced_after_its_lock_expires_with_exactly_one_mor
     );
     waiter.stop().await;
 
-    assert!(answered.iter().all(|(s, _)| *s == 200));
+    assert!(answered.iter().all(|(r, _)| r.status == 200));
     let slowest = answered.iter().map(|(_, at)| *at - killed).max().unwrap();
     // LOCK_TTL (1 s) + one load + margin; the cancellation wait is inside it.
     assert!(
@@ -367,43 +386,13 @@ async fn an_exhausted_pool_answers_503_after_the_acquire_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_lets_a_leader_finish_and_publish_so_remote_waiters_answer_promptly() {
     let env = TestEnv::new(10).await;
-    let mut leader = ServiceProcess::start(&[
-        ("DATABASE_URL", env.db_url.clone()),
-        ("KEY_PREFIX", env.prefix.clone()),
-        ("NO_MIGRATE", "true".into()),
-        ("LOCK_TTL", "20s".into()),
-        ("DB_STATEMENT_TIMEOUT", "10s".into()),
-    ])
-    .await;
-    let waiter = env
-        .spawn(&[
-            "--wait-timeout",
-            "15s",
-            "--lock-ttl",
-            "20s",
-            "--db-statement-timeout",
-            "10s",
-        ])
-        .await;
-    let lock = TableLock::take(&env).await;
-    let leader_request = tokio::spawn({
-        let url = format!("{}/posts/6", leader.base);
-        async move { reqwest::get(url).await.map(|r| r.status().as_u16()) }
-    });
-    wait_while!(
-        "requests to arrive and the leader to block",
-        blocked_loads(&env).await < 1
-    );
-    let waiting: Vec<_> = (0..10)
-        .map(|_| {
-            let (http, url) = (waiter.http.clone(), format!("{}/posts/6", waiter.base));
-            tokio::spawn(async move { http.get(url).send().await.unwrap().status().as_u16() })
-        })
-        .collect();
-    wait_while!(
-        "requests to arrive and the leader to block",
-        waiter.reads_in_progress() < 10
-    );
+    let HeldLeader {
+        mut leader,
+        waiter: _waiter,
+        lock,
+        leader_request,
+        waiting,
+    } = held_leader(&env, 6, "20s", "10s", 10).await;
 
     leader.signal("TERM");
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -416,7 +405,7 @@ async fn sigterm_lets_a_leader_finish_and_publish_so_remote_waiters_answer_promp
         200,
         "the in-flight request finished"
     );
-    assert!(answered.iter().all(|s| *s.as_ref().unwrap() == 200));
+    assert!(answered.iter().all(|r| r.as_ref().unwrap().0.status == 200));
     assert!(
         took < Duration::from_secs(2),
         "waiters answered {took:?} after the release"
@@ -732,4 +721,44 @@ async fn redis_over_tls_with_a_rediss_url() {
     assert!(ready.contains(r#""redis":"up""#), "{ready}");
     assert_eq!(first.headers()["x-cache"], "miss");
     assert_eq!(second.headers()["x-cache"], "hit", "cached over TLS");
+}
+
+#[tokio::test]
+async fn json_logs_carry_the_request_span_with_its_id_and_outcome() {
+    let env = TestEnv::new(3).await;
+    let service = ServiceProcess::start(&[
+        ("DATABASE_URL", env.db_url.clone()),
+        ("KEY_PREFIX", env.prefix.clone()),
+        ("NO_MIGRATE", "true".into()),
+        ("LOG_FORMAT", "json".into()),
+        ("RUST_LOG", "postcache=debug".into()),
+    ])
+    .await;
+    let reply = reqwest::get(format!("{}/posts/2", service.base))
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let logs = service.logs();
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    // The leader's load is logged at debug inside the request's span.
+    let load = lines
+        .iter()
+        .find(|l| l["message"] == "loaded")
+        .unwrap_or_else(|| panic!("no load logged:\n{logs}"));
+    let spans = load["spans"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no span list: {load}"));
+    assert!(
+        spans
+            .iter()
+            .any(|s| s["name"] == "get_post" && s["id"] == 2),
+        "the request span with its id: {load}"
+    );
+    assert!(load["took_ms"].is_number(), "{load}");
 }

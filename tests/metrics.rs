@@ -6,7 +6,11 @@ mod support;
 use std::collections::HashMap;
 
 use futures::future::join_all;
-use support::{blocked_loads, TableLock, TestApp, TestEnv};
+use support::{
+    blocked_loads,
+    scenarios::{fire, in_progress},
+    TableLock, TestApp, TestEnv,
+};
 
 /// Parses the Prometheus text format into `name{labels}` → value.
 fn parse(text: &str) -> HashMap<String, f64> {
@@ -53,21 +57,14 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
 
     // A stampede: 1,000 requests over 3 instances, the leader held back.
     let lock = TableLock::take(&env).await;
-    let requests: Vec<_> = (0..1000)
-        .map(|i| {
-            let app = &apps[i % 3];
-            let (http, url) = (app.http.clone(), format!("{}/posts/7", app.base));
-            tokio::spawn(async move { http.get(url).send().await.unwrap().status().as_u16() })
-        })
-        .collect();
+    let requests = fire(&apps, "/posts/7", 1000);
     wait_while!(
         "requests to arrive and the leader to block",
-        apps.iter().map(TestApp::reads_in_progress).sum::<usize>() < 1000
-            || blocked_loads(&env).await < 1
+        in_progress(&apps).await < 1000 || blocked_loads(&env).await < 1
     );
     lock.release().await;
-    for status in join_all(requests).await {
-        assert_eq!(status.unwrap(), 200);
+    for reply in join_all(requests).await {
+        assert_eq!(reply.unwrap().0.status, 200);
     }
     let (text, after) = scrape(&apps[0]).await;
 
