@@ -565,17 +565,12 @@ impl<S: Source> ReadPath<S> {
             // Re-check: the leader may have finished (and published) before
             // our subscription existed, or since our last look.
             match self.redis.lookup(&keys.value).await {
-                Ok(Lookup::Entry(entry)) => match judge(entry, now_millis()) {
-                    Verdict::Serve(entry) => {
-                        wait_ended("recheck", Some(since));
-                        return Outcome::Shared(entry);
+                Ok(Lookup::Entry(entry)) => {
+                    if let Some(outcome) = settled_by(entry) {
+                        wait_ended(ended_by(&outcome, "recheck"), Some(since));
+                        return outcome;
                     }
-                    Verdict::Failed => {
-                        wait_ended("failure", Some(since));
-                        return Outcome::Failed;
-                    }
-                    Verdict::Stale(_) => {}
-                },
+                }
                 Ok(_) => {}
                 Err(error) => return self.fail_open(key, error).await,
             }
@@ -599,17 +594,12 @@ impl<S: Source> ReadPath<S> {
             let wake_at = (now + lock_left).min(deadline);
             match tokio::time::timeout_at(wake_at.into(), subscription.recv()).await {
                 Ok(Notice::Message(payload)) => match Entry::decode(payload) {
-                    Ok(entry) => match judge(entry, now_millis()) {
-                        Verdict::Serve(entry) => {
-                            wait_ended("message", Some(since));
-                            return Outcome::Shared(entry);
+                    Ok(entry) => {
+                        if let Some(outcome) = settled_by(entry) {
+                            wait_ended(ended_by(&outcome, "message"), Some(since));
+                            return outcome;
                         }
-                        Verdict::Failed => {
-                            wait_ended("failure", Some(since));
-                            return Outcome::Failed;
-                        }
-                        Verdict::Stale(_) => {}
-                    },
+                    }
                     Err(error) => {
                         metrics::garbage("message");
                         tracing::warn!(%error, channel = keys.channel, "undecodable ready message ignored");
@@ -779,6 +769,25 @@ impl<S: Source> ReadPath<S> {
                 (Entry::new(Status::Failed, &[], Duration::ZERO, took), None)
             }
         }
+    }
+}
+
+/// What a waiter makes of an entry it found (re-check) or was sent (message):
+/// an answer, a failure, or nothing yet (a stale entry: keep waiting).
+fn settled_by(entry: Entry) -> Option<Outcome> {
+    match judge(entry, now_millis()) {
+        Verdict::Serve(entry) => Some(Outcome::Shared(entry)),
+        Verdict::Failed => Some(Outcome::Failed),
+        Verdict::Stale(_) => None,
+    }
+}
+
+/// The `ended_by` label of a wait that settled with `outcome` through `how`.
+fn ended_by(outcome: &Outcome, how: &'static str) -> &'static str {
+    if matches!(outcome, Outcome::Failed) {
+        "failure"
+    } else {
+        how
     }
 }
 
