@@ -209,7 +209,7 @@ async fn when_loads_fail_the_fail_safe_copy_is_served_and_the_database_is_tried_
     for app in &apps {
         app.stop_pool_connections().await;
     }
-    let rollbacks_before = env.rollbacks_now().await;
+    let rollbacks_before = env.rollbacks().await;
 
     let run = Duration::from_millis(2_000);
     let started = Instant::now();
@@ -222,7 +222,7 @@ async fn when_loads_fail_the_fail_safe_copy_is_served_and_the_database_is_tried_
     for app in apps.iter() {
         app.stop_pool_connections().await;
     }
-    let attempts = env.rollbacks_now().await - rollbacks_before;
+    let attempts = env.rollbacks().await - rollbacks_before;
 
     assert!(
         replies.iter().all(|r| r.status == 200),
@@ -262,14 +262,14 @@ async fn a_cold_key_whose_load_failed_answers_503_at_once_during_failure_ttl() {
         .await;
     env.break_posts(true).await;
     app.stop_pool_connections().await;
-    let before = env.rollbacks_now().await;
+    let before = env.rollbacks().await;
 
     let first = app.get("/posts/6").await;
     let started = Instant::now();
     let rest = burst(std::slice::from_ref(&app), "/posts/6", 30).await;
     let took = started.elapsed();
     app.stop_pool_connections().await;
-    let attempts = env.rollbacks_now().await - before;
+    let attempts = env.rollbacks().await - before;
 
     assert_eq!(first.status, 503);
     assert!(rest.iter().all(|r| r.status == 503));

@@ -24,7 +24,7 @@ pub mod faults;
 pub mod scenarios;
 
 use std::{
-    sync::{Arc, Once},
+    sync::Once,
     time::{Duration, Instant},
 };
 
@@ -421,15 +421,6 @@ impl Drop for TestApp {
     }
 }
 
-/// Waits until `condition` holds, polling; panics after `limit`.
-pub async fn eventually(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 /// Holds `LOCK TABLE posts IN ACCESS EXCLUSIVE MODE` until released: every
 /// load of a post blocks meanwhile.
 pub struct TableLock {
@@ -475,12 +466,11 @@ pub async fn blocked_loads(env: &TestEnv) -> i64 {
     .unwrap()
 }
 
-pub type Shared<T> = Arc<T>;
-
 impl TestEnv {
     /// Transactions rolled back in this database, counted by PostgreSQL (a
     /// failed load is one). Exact once the service's backends exited: call
-    /// after the instances are stopped.
+    /// after the instances are stopped or their connections closed (see
+    /// [`TestApp::stop_pool_connections`]).
     pub async fn rollbacks(&self) -> i64 {
         let mut conn = self.after_service_backends_exit().await;
         sqlx::query_scalar(
@@ -489,12 +479,6 @@ impl TestEnv {
         .fetch_one(&mut conn)
         .await
         .unwrap()
-    }
-
-    /// Rolled-back transactions so far, read after the service's connections
-    /// were closed (see [`TestApp::stop_pool_connections`]).
-    pub async fn rollbacks_now(&self) -> i64 {
-        self.rollbacks().await
     }
 
     /// Makes every load fail (the table is renamed away) or work again.
