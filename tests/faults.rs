@@ -544,6 +544,14 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
     };
     let channel = env.keys.channel(2);
     wait_while!("the subscription", env.numsub(&channel).await == 0);
+    let counted = || async {
+        let text = app.get("/metrics").await.body;
+        String::from_utf8_lossy(&text)
+            .lines()
+            .find_map(|l| l.strip_prefix(r#"postcache_garbage_total{kind="message"} "#))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    let garbage_before = counted().await;
 
     for garbage in [&b"garbage"[..], b"", &[1u8; 40]] {
         let _: () = env.redis.publish(&channel, garbage).await.unwrap();
@@ -563,6 +571,11 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
 
     assert_eq!((status, x_cache.as_str()), (200, "coalesced"));
     assert_eq!(&body[..], br#"{"id":2}"#);
+    // Counted (the recorder is shared by this binary's tests: at least ours).
+    assert!(
+        counted().await - garbage_before >= 3.0,
+        "garbage not counted"
+    );
 }
 
 #[tokio::test]
