@@ -26,6 +26,8 @@ const REDIS_STARTUP_WAIT: Duration = Duration::from_secs(2);
 /// Longest a shutdown waits for running flights and refreshes (so that a
 /// leader still publishes its outcome and releases its lock).
 const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+/// Longest a shutdown waits for each of Redis's QUIT and the pool's close.
+const QUIT_LIMIT: Duration = Duration::from_secs(2);
 /// Reconnect delays: from 50 ms doubling up to 1 s, for ever.
 const RECONNECT_MIN_MS: u32 = 50;
 const RECONNECT_MAX_MS: u32 = 1_000;
@@ -120,9 +122,21 @@ impl Application {
         if !self.state.read_path.drain(DRAIN_LIMIT).await {
             tracing::warn!("flights still running at shutdown; their locks expire by themselves");
         }
-        let _ = self.subscriber.quit().await;
-        let _ = self.redis.quit().await;
-        self.state.db.close().await;
+        // QUIT waits for a connection: bounded, so that a shutdown while Redis
+        // is down (the clients reconnecting for ever) still ends.
+        let quit = async {
+            let _ = self.subscriber.quit().await;
+            let _ = self.redis.quit().await;
+        };
+        if tokio::time::timeout(QUIT_LIMIT, quit).await.is_err() {
+            tracing::warn!("redis did not answer QUIT; closing anyway");
+        }
+        if tokio::time::timeout(QUIT_LIMIT, self.state.db.close())
+            .await
+            .is_err()
+        {
+            tracing::warn!("postgres connections did not close in time; exiting anyway");
+        }
         Ok(())
     }
 }

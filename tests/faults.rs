@@ -775,3 +775,28 @@ async fn json_logs_carry_the_request_span_with_its_id_and_outcome() {
     );
     assert!(load["took_ms"].is_number(), "{load}");
 }
+
+#[tokio::test]
+async fn sigterm_ends_the_process_even_while_redis_is_down() {
+    let env = TestEnv::new(3).await;
+    let mut service = ServiceProcess::start(&[
+        ("DATABASE_URL", env.db_url.clone()),
+        ("REDIS_URL", format!("redis://127.0.0.1:{}", free_port())),
+        ("KEY_PREFIX", env.prefix.clone()),
+        ("NO_MIGRATE", "true".into()),
+        ("REDIS_TIMEOUT", "100ms".into()),
+    ])
+    .await;
+    let reply = reqwest::get(format!("{}/posts/1", service.base))
+        .await
+        .unwrap();
+    assert_eq!(reply.headers()["x-cache"], "bypass");
+
+    service.signal("TERM");
+
+    assert!(
+        service.wait(Duration::from_secs(8)),
+        "the process did not exit: {}",
+        service.logs()
+    );
+}
