@@ -29,7 +29,7 @@ use std::{
 use fred::{clients::SubscriberClient, prelude::*};
 use futures::future::join_all;
 use postcache::flight::Hooks;
-use support::{blocked_loads, TableLock, TestApp, TestEnv};
+use support::{blocked_loads, scenarios::PATIENT, TableLock, TestApp, TestEnv};
 
 struct Args {
     rounds: usize,
@@ -88,16 +88,7 @@ fn ms(d: Duration) -> String {
 async fn main() {
     let a = args();
     let env = TestEnv::new(a.rounds as u64 + 10).await;
-    let flags = [
-        "--wait-timeout",
-        "20s",
-        "--lock-ttl",
-        "25s",
-        "--db-statement-timeout",
-        "20s",
-        "--cache-strategy",
-        a.strategy.as_str(),
-    ];
+    let flags = [PATIENT, &["--cache-strategy", a.strategy.as_str()]].concat();
     let watcher = Builder::from_config(Config::from_url(&env.redis_url).unwrap())
         .build_subscriber_client()
         .unwrap();

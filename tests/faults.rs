@@ -259,20 +259,14 @@ async fn a_slow_but_live_leader_keeps_its_lock_and_is_not_duplicated() {
     ];
     let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
     let lock = TableLock::take(&env).await;
-    let requests: Vec<_> = (0..20)
-        .map(|i| {
-            let app = &apps[i % 2];
-            let (http, url) = (app.http.clone(), format!("{}/posts/4", app.base));
-            tokio::spawn(async move { http.get(url).send().await.unwrap().status().as_u16() })
-        })
-        .collect();
+    let requests = fire(&apps, "/posts/4", 20);
     // The load lasts 1.2 s: four lock lifetimes.
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     lock.release().await;
-    let statuses: Vec<_> = join_all(requests)
+    let statuses: Vec<u16> = join_all(requests)
         .await
         .into_iter()
-        .map(Result::unwrap)
+        .map(|r| r.unwrap().0.status)
         .collect();
     for app in apps {
         app.stop().await;

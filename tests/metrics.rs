@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use futures::future::join_all;
 use support::{
     blocked_loads,
-    scenarios::{fire, in_progress},
+    scenarios::{fire, in_progress, PATIENT},
     TableLock, TestApp, TestEnv,
 };
 
@@ -42,17 +42,7 @@ fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, series: &s
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     let env = TestEnv::new(10).await;
-    let flags = [
-        "--redis-timeout",
-        "2s",
-        "--wait-timeout",
-        "20s",
-        "--lock-ttl",
-        "25s",
-        "--db-statement-timeout",
-        "20s",
-    ];
-    let apps = join_all((0..3).map(|_| env.spawn(&flags))).await;
+    let apps = join_all((0..3).map(|_| env.spawn(PATIENT))).await;
     let (_, before) = scrape(&apps[0]).await;
 
     // A stampede: 1,000 requests over 3 instances, the leader held back.
