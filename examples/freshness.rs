@@ -11,16 +11,13 @@
 //! and prints the share of requests that waited for a load (X-Cache miss or
 //! coalesced), the share served stale, latency quantiles and the loads.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use support::{TestApp, TestEnv};
+use postcache::testkit::{TestApp, TestEnv};
 
 /// How long each load takes during the run.
-const SLOW_LOAD: &str = "0.05";
+const SLOW_LOAD: Duration = Duration::from_millis(50);
 
 fn arg(name: &str, default: u64) -> u64 {
     let argv: Vec<String> = std::env::args().collect();
@@ -34,31 +31,12 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
 }
 
-async fn loads(env: &TestEnv) -> i64 {
-    let mut conn = env.after_service_backends_exit().await;
-    sqlx::query_scalar(
-        "select (coalesce(seq_scan, 0) + coalesce(idx_scan, 0))::bigint
-         from pg_stat_user_tables where relname = 'posts_data'",
-    )
-    .fetch_one(&mut conn)
-    .await
-    .unwrap()
-}
-
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let seconds = arg("--seconds", 30);
     let rate = arg("--rate", 400);
     let env = TestEnv::new(10).await;
-    for sql in [
-        "alter table posts rename to posts_data".to_owned(),
-        format!(
-            "create view posts as select p.* from posts_data p
-             cross join lateral (select pg_sleep({SLOW_LOAD})) slow"
-        ),
-    ] {
-        sqlx::query(&sql).execute(&env.admin).await.unwrap();
-    }
+    env.slow_loads(SLOW_LOAD).await;
     let configs: [(&str, &[&str]); 3] = [
         ("SWR off", &[]),
         (
@@ -72,7 +50,7 @@ async fn main() {
     ];
     println!(
         "hot key, CACHE_TTL=1s ±10%, loads of {} ms, {rate} requests/s over 2 instances for {seconds} s each",
-        (SLOW_LOAD.parse::<f64>().unwrap() * 1e3) as u64
+        SLOW_LOAD.as_millis()
     );
     println!("| configuration | requests | waited for a load | served stale | p50 ms | p99 ms | max ms | database loads |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -87,7 +65,7 @@ async fn main() {
             "1s",
         ];
         flags.extend_from_slice(extra);
-        let before = loads(&env).await;
+        let before = env.post_reads().await;
         let apps: Vec<TestApp> = join_all((0..2).map(|_| env.spawn(&flags))).await;
         apps[0].get(&format!("/posts/{id}")).await; // warm-up
 
@@ -98,29 +76,19 @@ async fn main() {
         let mut n = 0usize;
         while started.elapsed() < Duration::from_secs(seconds) {
             tick.tick().await;
-            let app = &apps[n % 2];
-            let (http, url) = (app.http.clone(), format!("{}/posts/{id}", app.base));
-            pending.push(tokio::spawn(async move {
-                let t = Instant::now();
-                let r = http.get(url).send().await.unwrap();
-                let x = r
-                    .headers()
-                    .get("x-cache")
-                    .map(|v| v.to_str().unwrap().to_owned());
-                let _ = r.bytes().await;
-                (x.unwrap_or_default(), t.elapsed())
-            }));
+            let sent = Instant::now();
+            let request = apps[n % 2].http.spawn_get(&format!("/posts/{id}"));
+            pending.push(async move {
+                let (reply, at) = request.await.unwrap();
+                (reply.x_cache.unwrap_or_default(), at - sent)
+            });
             n += 1;
         }
-        let results: Vec<_> = join_all(pending)
-            .await
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
+        let results: Vec<_> = join_all(pending).await;
         for app in apps {
             app.stop().await;
         }
-        let db = loads(&env).await - before;
+        let db = env.post_reads().await - before;
         let waited = results
             .iter()
             .filter(|(x, _)| x == "miss" || x == "coalesced")

@@ -17,9 +17,6 @@
 //!
 //! It uses Redis's command statistics, so run it while nothing else uses that Redis.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
@@ -28,8 +25,10 @@ use std::{
 
 use fred::{clients::SubscriberClient, prelude::*};
 use futures::future::join_all;
-use postcache::flight::Hooks;
-use support::{blocked_loads, scenarios::PATIENT, TableLock, TestApp, TestEnv};
+use postcache::{
+    flight::Hooks,
+    testkit::{fire, TableLock, TestApp, TestEnv, PATIENT},
+};
 
 struct Args {
     rounds: usize,
@@ -126,32 +125,16 @@ async fn main() {
         let cmds_before = commandstats(&env.redis).await;
         let lock = TableLock::take(&env).await;
 
-        let requests: Vec<_> = (0..a.requests)
-            .map(|i| {
-                let app = &apps[i % apps.len()];
-                let (http, url) = (app.http.clone(), format!("{}/posts/{id}", app.base));
-                tokio::spawn(async move {
-                    let r = http.get(url).send().await.expect("request failed");
-                    let x = r
-                        .headers()
-                        .get("x-cache")
-                        .map(|v| v.to_str().unwrap().to_owned());
-                    let status = r.status().as_u16();
-                    let _ = r.bytes().await;
-                    (status, x, Instant::now())
-                })
-            })
-            .collect();
-        while apps.iter().map(TestApp::reads_in_progress).sum::<usize>() < a.requests
-            || blocked_loads(&env).await < 1
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let requests = fire(&apps, &format!("/posts/{id}"), a.requests);
+        env.until_held(&apps, a.requests).await;
         lock.release().await;
         let results: Vec<_> = join_all(requests)
             .await
             .into_iter()
-            .map(Result::unwrap)
+            .map(|r| {
+                let (reply, at) = r.unwrap();
+                (reply.status, reply.x_cache, at)
+            })
             .collect();
         let published_at = tokio::time::timeout(Duration::from_secs(5), published)
             .await

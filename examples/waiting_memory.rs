@@ -9,13 +9,10 @@
 //! for one cold post, and reads the process's resident memory (VmRSS) before,
 //! while all N wait, and after they are answered.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use support::{faults::ServiceProcess, TableLock, TestEnv};
+use postcache::testkit::{wait_until, Http, TableLock, TestEnv};
 
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -26,16 +23,11 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
-async fn gauge(http: &reqwest::Client, base: &str, name: &str) -> f64 {
-    let text = http
-        .get(format!("{base}/metrics"))
-        .send()
+async fn gauge(http: &Http, name: &str) -> f64 {
+    http.get("/metrics")
         .await
-        .unwrap()
         .text()
-        .await
-        .unwrap();
-    text.lines()
+        .lines()
         .find_map(|l| {
             l.strip_prefix(name)
                 .and_then(|rest| rest.trim().parse().ok())
@@ -49,50 +41,41 @@ async fn main() {
         .nth(1)
         .map_or(10_000, |s| s.parse().expect("N"));
     let env = TestEnv::new(10).await;
-    let service = ServiceProcess::start(&[
-        ("DATABASE_URL", env.db_url.clone()),
-        ("KEY_PREFIX", env.prefix.clone()),
-        ("NO_MIGRATE", "true".into()),
-        ("WAIT_TIMEOUT", "60s".into()),
-        ("LOCK_TTL", "90s".into()),
-        ("DB_STATEMENT_TIMEOUT", "80s".into()),
-        ("REQUEST_TIMEOUT", "120s".into()),
-        ("RUST_LOG", "warn".into()),
-    ])
-    .await;
+    let service = env
+        .start_process(&[
+            ("WAIT_TIMEOUT", "60s".into()),
+            ("LOCK_TTL", "90s".into()),
+            ("DB_STATEMENT_TIMEOUT", "80s".into()),
+            ("REQUEST_TIMEOUT", "120s".into()),
+            ("RUST_LOG", "warn".into()),
+        ])
+        .await;
     let pid = service.pid();
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(n)
-        .build()
-        .unwrap();
+    let http = &service.http;
     // Warm the connection pools and allocator with a few ordinary requests.
     for id in 1..=5 {
-        http.get(format!("{}/posts/{id}", service.base))
-            .send()
-            .await
-            .unwrap();
+        http.get(&format!("/posts/{id}")).await;
     }
     let idle = rss_kib(pid);
 
     let lock = TableLock::take(&env).await;
     let started = Instant::now();
-    let requests: Vec<_> = (0..n)
-        .map(|_| {
-            let (http, url) = (http.clone(), format!("{}/posts/9", service.base));
-            tokio::spawn(async move { http.get(url).send().await.map(|r| r.status().as_u16()) })
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while gauge(&http, &service.base, "postcache_reads_in_progress").await < n as f64 {
-        assert!(Instant::now() < deadline, "not all requests arrived");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let requests: Vec<_> = (0..n).map(|_| http.spawn_get("/posts/9")).collect();
+    wait_until(
+        "every request to arrive",
+        Duration::from_secs(60),
+        async || gauge(http, "postcache_reads_in_progress").await >= n as f64,
+    )
+    .await;
     let arrived = started.elapsed();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let waiting = rss_kib(pid);
     lock.release().await;
     let statuses = join_all(requests).await;
-    let ok = statuses.iter().filter(|s| matches!(s, Ok(Ok(200)))).count();
+    let ok = statuses
+        .iter()
+        .filter(|r| r.as_ref().is_ok_and(|(reply, _)| reply.status == 200))
+        .count();
     let after = rss_kib(pid);
 
     println!("| instance state | resident memory (MiB) |");

@@ -223,15 +223,15 @@ impl ServeArgs {
             !self.request_timeout.is_zero(),
             "REQUEST_TIMEOUT must be positive"
         );
-        if self.database.db_statement_timeout >= c.lock_ttl {
-            // Allowed: the watchdog extends the lock of a live leader. But a
-            // dead leader's lock then expires before its query would have.
-            tracing::warn!(
-                statement_timeout = ?self.database.db_statement_timeout,
-                lock_ttl = ?c.lock_ttl,
-                "DB_STATEMENT_TIMEOUT is not below LOCK_TTL; the lock watchdog covers live leaders only"
-            );
-        }
+        // A leader's lock must outlive its query: the watchdog extends the
+        // lock of a live leader only, so a leader that dies mid-query would
+        // otherwise let a second leader load while the first query still runs.
+        anyhow::ensure!(
+            self.database.db_statement_timeout < c.lock_ttl,
+            "DB_STATEMENT_TIMEOUT ({}) must be below LOCK_TTL ({})",
+            humantime::format_duration(self.database.db_statement_timeout),
+            humantime::format_duration(c.lock_ttl)
+        );
         Ok(())
     }
 }
@@ -271,5 +271,31 @@ mod tests {
         assert_eq!(s.cache.max_stale, Duration::from_secs(3600));
         assert_eq!(s.cache.failure_ttl, Duration::from_secs(2));
         s.validate().expect("defaults are consistent");
+    }
+
+    #[test]
+    fn a_statement_timeout_not_below_the_lock_ttl_is_refused() {
+        let parse = |statement: &str, lock: &str| {
+            let cli = Cli::try_parse_from([
+                "postcache",
+                "serve",
+                "--db-statement-timeout",
+                statement,
+                "--lock-ttl",
+                lock,
+            ])
+            .expect("parses");
+            let Command::Serve(s) = cli.command else {
+                panic!("serve expected")
+            };
+            s.validate()
+        };
+        assert!(parse("4s", "5s").is_ok());
+        let error = parse("5s", "5s").unwrap_err().to_string();
+        assert!(
+            error.contains("DB_STATEMENT_TIMEOUT (5s) must be below LOCK_TTL (5s)"),
+            "{error}"
+        );
+        assert!(parse("10s", "5s").is_err());
     }
 }

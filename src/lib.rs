@@ -14,6 +14,7 @@
 //!   subscriber, per strategy. Generic over what it loads.
 //! - [`db`] — the PostgreSQL pool and the embedded migrations.
 //! - [`cli`] — `seed`.
+//! - `testkit` (feature `testkit`) — test support shared by tests and examples.
 
 pub mod cache;
 pub mod cli;
@@ -24,3 +25,5 @@ pub mod http;
 pub mod posts;
 pub mod startup;
 pub mod telemetry;
+#[cfg(feature = "testkit")]
+pub mod testkit;

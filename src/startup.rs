@@ -12,12 +12,12 @@ use fred::{
 use tokio::net::TcpListener;
 
 use crate::{
-    cache::{Jitter, Keys},
+    cache::Keys,
     config::ServeArgs,
     db,
-    flight::{self, Breaker, Hooks, ReadPath, RedisCommands, Subscriber},
+    flight::{self, Breaker, ReadPath, RedisCommands, Subscriber},
     http::{self, AppState, Limits},
-    posts::{PostSource, PostStore},
+    posts::PostStore,
     telemetry,
 };
 
@@ -43,11 +43,21 @@ pub struct Application {
 
 impl Application {
     pub async fn build(args: ServeArgs) -> anyhow::Result<Self> {
-        Self::build_with_hooks(args, Hooks::default()).await
+        let settings = flight::Settings::from(&args.cache);
+        Self::build_with(args, settings).await
     }
 
     /// As [`Application::build`], with test observation points in the read path.
-    pub async fn build_with_hooks(args: ServeArgs, hooks: Hooks) -> anyhow::Result<Self> {
+    #[cfg(feature = "testkit")]
+    pub async fn build_with_hooks(args: ServeArgs, hooks: flight::Hooks) -> anyhow::Result<Self> {
+        let settings = flight::Settings {
+            hooks,
+            ..flight::Settings::from(&args.cache)
+        };
+        Self::build_with(args, settings).await
+    }
+
+    async fn build_with(args: ServeArgs, settings: flight::Settings) -> anyhow::Result<Self> {
         args.validate()?;
         if !args.no_migrate {
             db::migrate(&args.database).await?;
@@ -57,24 +67,11 @@ impl Application {
         let c = &args.cache;
         let breaker = Arc::new(Breaker::default());
         let read_path = ReadPath::new(
-            PostSource::new(PostStore::new(pool.clone())),
+            PostStore::new(pool.clone()),
             Keys::new(c.key_prefix.clone(), "post"),
             RedisCommands::with_breaker(redis.clone(), c.redis_timeout, breaker.clone()),
             Subscriber::start(subscriber.clone(), c.redis_timeout, breaker),
-            flight::Settings {
-                strategy: c.cache_strategy,
-                cache_ttl: c.cache_ttl,
-                negative_ttl: c.negative_ttl,
-                jitter: Jitter::new(c.ttl_jitter),
-                lock_ttl: c.lock_ttl,
-                wait_timeout: c.wait_timeout,
-                poll_interval: c.poll_interval,
-                stale_while_revalidate: c.stale_while_revalidate,
-                early_refresh_beta: c.early_refresh_beta,
-                max_stale: c.max_stale,
-                failure_ttl: c.failure_ttl,
-                hooks,
-            },
+            settings,
         );
         let state = AppState {
             read_path,
@@ -210,9 +207,9 @@ async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberCl
     let subscriber = builder
         .build_subscriber_client()
         .context("invalid Redis settings")?;
-    for c in [&client as &dyn ClientLikeDyn, &subscriber] {
-        c.start();
-    }
+    // The connection tasks run (and reconnect) in the background.
+    drop(client.connect());
+    drop(subscriber.connect());
     let ready = async {
         client.wait_for_connect().await?;
         subscriber.wait_for_connect().await
@@ -223,18 +220,6 @@ async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberCl
         Err(_) => tracing::warn!("redis unavailable at start; serving fail-open"),
     }
     Ok((client, subscriber))
-}
-
-/// Lets both clients be started through one loop.
-trait ClientLikeDyn {
-    fn start(&self);
-}
-
-impl<T: ClientLike> ClientLikeDyn for T {
-    fn start(&self) {
-        // The connection task runs (and reconnects) in the background.
-        drop(self.connect());
-    }
 }
 
 /// Completes on ctrl-c or SIGTERM.

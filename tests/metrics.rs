@@ -1,16 +1,10 @@
 //! Metrics: a stampede and a fail-open episode move the counters exactly as
 //! they should. The recorder is process-wide, so this binary holds one test.
 
-mod support;
-
 use std::collections::HashMap;
 
 use futures::future::join_all;
-use support::{
-    blocked_loads,
-    scenarios::{fire, in_progress, PATIENT},
-    TableLock, TestApp, TestEnv,
-};
+use postcache::testkit::{available, fire, free_port, TableLock, TestApp, TestEnv, PATIENT};
 
 /// Parses the Prometheus text format into `name{labels}` → value.
 fn parse(text: &str) -> HashMap<String, f64> {
@@ -26,7 +20,7 @@ fn parse(text: &str) -> HashMap<String, f64> {
 async fn scrape(app: &TestApp) -> (String, HashMap<String, f64>) {
     let reply = app.get("/metrics").await;
     assert_eq!(reply.status, 200);
-    let text = String::from_utf8(reply.body.to_vec()).unwrap();
+    let text = reply.text();
     let parsed = parse(&text);
     (text, parsed)
 }
@@ -48,10 +42,7 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     // A stampede: 1,000 requests over 3 instances, the leader held back.
     let lock = TableLock::take(&env).await;
     let requests = fire(&apps, "/posts/7", 1000);
-    wait_while!(
-        "requests to arrive and the leader to block",
-        in_progress(&apps).await < 1000 || blocked_loads(&env).await < 1
-    );
+    env.until_held(&apps, 1000).await;
     lock.release().await;
     for reply in join_all(requests).await {
         assert_eq!(reply.unwrap().0.status, 200);
@@ -85,11 +76,7 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     promtool_accepts(&text);
 
     // A fail-open episode: an instance whose Redis is gone.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let closed = free_port();
     let down = env
         .spawn(&[
             "--redis-url",
@@ -118,19 +105,19 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     promtool_accepts(&text);
 }
 
-/// `promtool check metrics` when promtool is installed (CI installs it).
+/// `promtool check metrics` (CI installs promtool).
 fn promtool_accepts(text: &str) {
     use std::{io::Write, process::Command, process::Stdio};
-    let Ok(mut child) = Command::new("promtool")
+    let child = Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()
-    else {
-        eprintln!("promtool not installed: exposition not linted");
+        .spawn();
+    if !available("promtool", child.is_ok()) {
         return;
-    };
+    }
+    let mut child = child.expect("available");
     child
         .stdin
         .take()

@@ -15,8 +15,9 @@
 //! 31      ..    body (found only)
 //! ```
 //!
-//! The finish script (`flight/redis.rs`) reads the status byte and sets the
-//! flags byte of stored entries: keep their offsets in step.
+//! The finish script (`flight/redis.rs`) reads the version and status bytes
+//! and sets the flags byte of stored entries: it is given the constants below,
+//! so the layout is written down once.
 //!
 //! Anything that does not decode is treated by callers as absent (a miss),
 //! never as an error to the client.
@@ -25,13 +26,21 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-/// The only envelope version this build writes and reads.
-const VERSION: u8 = 1;
+/// The only envelope version this build writes and reads (byte 0).
+pub const VERSION: u8 = 1;
+/// Offset of the status byte.
+pub const STATUS_AT: usize = 1;
+/// Offset of the flags byte.
+pub const FLAGS_AT: usize = 2;
+/// Status byte values.
+pub const STATUS_FOUND: u8 = 0;
+pub const STATUS_NOT_FOUND: u8 = 1;
+pub const STATUS_FAILED: u8 = 2;
 /// Bytes before the body.
 const HEADER_LEN: usize = 31;
 /// Flag: a stale copy stored after a failed load, served until it expires
 /// (the backoff), without triggering refreshes.
-const FLAG_BACKOFF: u8 = 1;
+pub const FLAG_BACKOFF: u8 = 1;
 
 /// What a load found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,15 +90,26 @@ impl Entry {
     pub fn new(status: Status, body: &[u8], fresh_for: Duration, load_time: Duration) -> Self {
         let stored_at = now_millis();
         let fresh_until = stored_at.saturating_add(fresh_for.as_millis() as u64);
+        Self::stamped(status, body, stored_at, fresh_until, load_time)
+    }
+
+    /// Builds an entry with explicit timestamps (unix milliseconds).
+    pub fn stamped(
+        status: Status,
+        body: &[u8],
+        stored_at: u64,
+        fresh_until: u64,
+        load_time: Duration,
+    ) -> Self {
         let load_micros = u32::try_from(load_time.as_micros()).unwrap_or(u32::MAX);
         let body = if status == Status::Found { body } else { &[] };
         let etag = xxhash_rust::xxh3::xxh3_64(body);
         let mut buf = BytesMut::with_capacity(HEADER_LEN + body.len());
         buf.put_u8(VERSION);
         buf.put_u8(match status {
-            Status::Found => 0,
-            Status::NotFound => 1,
-            Status::Failed => 2,
+            Status::Found => STATUS_FOUND,
+            Status::NotFound => STATUS_NOT_FOUND,
+            Status::Failed => STATUS_FAILED,
         });
         buf.put_u8(0);
         buf.put_u64(stored_at);
@@ -116,10 +136,10 @@ impl Entry {
         if raw[0] != VERSION {
             return Err(DecodeError::Version(raw[0]));
         }
-        let status = match raw[1] {
-            0 => Status::Found,
-            1 => Status::NotFound,
-            2 => Status::Failed,
+        let status = match raw[STATUS_AT] {
+            STATUS_FOUND => Status::Found,
+            STATUS_NOT_FOUND => Status::NotFound,
+            STATUS_FAILED => Status::Failed,
             other => return Err(DecodeError::Status(other)),
         };
         if status != Status::Found && raw.len() > HEADER_LEN {
@@ -134,7 +154,7 @@ impl Entry {
         load.copy_from_slice(&raw[19..23]);
         Ok(Self {
             status,
-            flags: raw[2],
+            flags: raw[FLAGS_AT],
             stored_at: u64_at(3),
             fresh_until: u64_at(11),
             load_micros: u32::from_be_bytes(load),
@@ -175,6 +195,17 @@ impl Entry {
     /// A stale copy re-served after a failed load: serve it, do not refresh.
     pub fn is_backoff(&self) -> bool {
         self.flags & FLAG_BACKOFF != 0
+    }
+
+    /// The same entry marked as a backoff copy, as the finish script stores it.
+    pub fn as_backoff(&self) -> Self {
+        let mut raw = self.raw.to_vec();
+        raw[FLAGS_AT] |= FLAG_BACKOFF;
+        Self {
+            flags: raw[FLAGS_AT],
+            raw: Bytes::from(raw),
+            ..self.clone()
+        }
     }
 
     /// A strong validator over the body, stable across instances and builds.
@@ -246,9 +277,10 @@ mod tests {
         let e = Entry::new(Status::Found, b"x", Duration::from_secs(1), Duration::ZERO);
         assert!(!e.is_backoff());
         let mut raw = e.raw().to_vec();
-        raw[2] = FLAG_BACKOFF;
+        raw[FLAGS_AT] = FLAG_BACKOFF;
         let d = Entry::decode(Bytes::from(raw)).unwrap();
         assert!(d.is_backoff());
+        assert_eq!(e.as_backoff(), d);
         assert_eq!(d.body(), e.body());
     }
 

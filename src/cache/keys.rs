@@ -5,6 +5,15 @@
 
 use std::fmt::Display;
 
+/// The names of one item's keys and channel, built together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemKeys {
+    pub value: String,
+    pub lock: String,
+    pub fail_safe: String,
+    pub channel: String,
+}
+
 /// Builds the names of one item's value, lock and ready channel.
 #[derive(Debug, Clone)]
 pub struct Keys {
@@ -18,6 +27,16 @@ impl Keys {
         Self {
             prefix: prefix.into(),
             kind,
+        }
+    }
+
+    /// Every name of one item.
+    pub fn item(&self, id: impl Display) -> ItemKeys {
+        ItemKeys {
+            value: self.value(&id),
+            lock: self.lock(&id),
+            fail_safe: self.fail_safe(&id),
+            channel: self.channel(&id),
         }
     }
 
@@ -54,5 +73,15 @@ mod tests {
         assert_eq!(keys.channel(42), "t1:ready:post:{42}");
         assert_eq!(keys.fail_safe(42), "t1:stale:post:{42}");
         assert_eq!(Keys::new("", "post").value(7), "post:{7}");
+        let item = keys.item(42);
+        assert_eq!(
+            (item.value, item.lock, item.fail_safe, item.channel),
+            (
+                keys.value(42),
+                keys.lock(42),
+                keys.fail_safe(42),
+                keys.channel(42)
+            )
+        );
     }
 }

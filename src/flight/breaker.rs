@@ -132,10 +132,20 @@ mod tests {
     #[test]
     fn a_success_resets_the_count() {
         let b = Breaker::default();
-        for _ in 0..10 {
+        for _ in 0..BREAKER_FAILURES - 1 {
             b.record_failure();
-            b.record_success();
         }
-        assert_eq!(b.state(), State::Closed);
+        b.record_success();
+        for _ in 0..BREAKER_FAILURES - 1 {
+            b.record_failure();
+        }
+        // Without the reset, these failures would add up past the threshold.
+        assert_eq!(
+            b.state(),
+            State::Closed,
+            "the count restarted at the success"
+        );
+        b.record_failure();
+        assert_eq!(b.state(), State::Open, "and counts on from there");
     }
 }

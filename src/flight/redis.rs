@@ -10,9 +10,9 @@ use fred::{
     types::{scripts::Script, Expiration, SetOptions},
 };
 
-use super::breaker::Breaker;
+use super::{breaker::Breaker, freshness::StoreFor};
 use crate::{
-    cache::{DecodeError, Entry},
+    cache::{entry, Entry, ItemKeys},
     telemetry::metrics,
 };
 
@@ -26,25 +26,28 @@ use crate::{
 /// only if it still holds this leader's token: a leader whose lock expired and
 /// was taken over must not delete the new leader's lock.
 ///
+/// Which TTLs is decided in Rust (`freshness::store_for`); which copy, here,
+/// because only Redis knows what is stored at the moment of the finish.
+///
 /// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy.
 /// ARGV[1] entry, ARGV[2] value TTL ms (0: do not store), ARGV[3] token,
 /// ARGV[4] channel, ARGV[5] fail-safe copy TTL ms (0: none), ARGV[6] FAILURE_TTL ms,
 /// ARGV[7] the publish command: PUBLISH, or SPUBLISH on a Redis Cluster (the
 /// channel shares the keys' hash tag, so it lives on the same shard).
-/// Returns {receivers, released, published payload}.
+/// Returns {released, published payload}.
 ///
-/// Envelope offsets used here (see `cache/entry.rs`): byte 2 is the status
-/// (0 found, 2 failed), byte 3 the flags (1 = BACKOFF).
+/// The `$…` placeholders are the envelope's layout, filled in from the
+/// constants of `cache/entry.rs` by [`finish_lua`] (Lua strings count from 1).
 const FINISH_LUA: &str = r#"
 local entry = ARGV[1]
 local payload = entry
-if string.byte(entry, 2) == 2 then
+if string.byte(entry, $STATUS) == $FAILED then
   local copy = redis.call('GET', KEYS[1])
-  if not copy or string.byte(copy, 2) ~= 0 then
+  if not copy or string.byte(copy, $STATUS) ~= $FOUND then
     copy = redis.call('GET', KEYS[3])
   end
-  if copy and string.byte(copy, 1) == 1 and string.byte(copy, 2) == 0 then
-    payload = string.sub(copy, 1, 2) .. '\1' .. string.sub(copy, 4)
+  if copy and string.byte(copy, $VERSION_AT) == $VERSION and string.byte(copy, $STATUS) == $FOUND then
+    payload = string.sub(copy, 1, $FLAGS - 1) .. string.char(bit.bor(string.byte(copy, $FLAGS), $BACKOFF)) .. string.sub(copy, $FLAGS + 1)
   end
   if tonumber(ARGV[6]) > 0 then
     redis.call('SET', KEYS[1], payload, 'PX', ARGV[6])
@@ -53,18 +56,32 @@ else
   if tonumber(ARGV[2]) > 0 then
     redis.call('SET', KEYS[1], entry, 'PX', ARGV[2])
   end
-  if tonumber(ARGV[5]) > 0 and string.byte(entry, 2) == 0 then
+  if tonumber(ARGV[5]) > 0 and string.byte(entry, $STATUS) == $FOUND then
     redis.call('SET', KEYS[3], entry, 'PX', ARGV[5])
   end
 end
-local receivers = redis.call(ARGV[7], ARGV[4], payload)
+redis.call(ARGV[7], ARGV[4], payload)
 local released = 0
 if redis.call('GET', KEYS[2]) == ARGV[3] then
   redis.call('DEL', KEYS[2])
   released = 1
 end
-return {receivers, released, payload}
+return {released, payload}
 "#;
+
+/// [`FINISH_LUA`] with the envelope's layout filled in.
+fn finish_lua() -> String {
+    // Lua's string.byte counts from 1.
+    let at = |offset: usize| (offset + 1).to_string();
+    FINISH_LUA
+        .replace("$VERSION_AT", &at(0))
+        .replace("$VERSION", &entry::VERSION.to_string())
+        .replace("$STATUS", &at(entry::STATUS_AT))
+        .replace("$FLAGS", &at(entry::FLAGS_AT))
+        .replace("$FOUND", &entry::STATUS_FOUND.to_string())
+        .replace("$FAILED", &entry::STATUS_FAILED.to_string())
+        .replace("$BACKOFF", &entry::FLAG_BACKOFF.to_string())
+}
 
 /// Releases a lock only if it still holds the given token.
 /// KEYS[1] lock; ARGV[1] token. Returns 1 when released.
@@ -95,13 +112,15 @@ pub enum RedisError {
     Command(#[from] fred::error::Error),
 }
 
-/// What a GET of a value key found.
-#[derive(Debug)]
-pub enum Lookup {
-    Entry(Entry),
+/// What PTTL says of a lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockTtl {
+    /// No such key: released or expired.
     Absent,
-    /// Bytes that are not an entry: treated as a miss and overwritten.
-    Garbage(DecodeError),
+    /// The key has no expiry (set from outside the protocol).
+    NoExpiry,
+    /// It expires after this long.
+    Expires(Duration),
 }
 
 /// What the leader's finish did.
@@ -111,17 +130,6 @@ pub struct Finished {
     pub released: bool,
     /// What was published: the entry, or on failure the backoff copy.
     pub published: Entry,
-}
-
-/// Lifetimes the finish script stores with.
-#[derive(Debug, Clone, Copy)]
-pub struct StoreFor {
-    /// The value key (0: do not store).
-    pub value: Duration,
-    /// The fail-safe copy (0: none).
-    pub fail_safe: Duration,
-    /// The backoff marker after a failure (0: none).
-    pub failure: Duration,
 }
 
 /// The command client plus the bound applied to each command.
@@ -171,41 +179,32 @@ impl RedisCommands {
             client,
             timeout,
             breaker,
-            finish: Script::from_lua(FINISH_LUA),
+            finish: Script::from_lua(finish_lua()),
             release: Script::from_lua(RELEASE_LUA),
             extend: Script::from_lua(EXTEND_LUA),
         }
     }
 
-    pub fn client(&self) -> &Client {
-        &self.client
-    }
-
-    pub fn breaker(&self) -> &Arc<Breaker> {
-        &self.breaker
-    }
-
     /// Runs one command under the breaker and REDIS_TIMEOUT.
-    pub(crate) async fn bounded<T>(
+    async fn bounded<T>(
         &self,
         fut: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, RedisError> {
         guarded(&self.breaker, self.timeout, fut).await
     }
 
-    /// GET a value key and decode it.
-    pub async fn lookup(&self, key: &str) -> Result<Lookup, RedisError> {
+    /// GET a value key and decode it. Bytes that are not an entry count as
+    /// absent: the next store overwrites them.
+    pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
         let raw: Option<Bytes> = self.bounded(self.client.get(key)).await?;
-        Ok(match raw {
-            None => Lookup::Absent,
-            Some(raw) => match Entry::decode(raw) {
-                Ok(entry) => Lookup::Entry(entry),
-                Err(e) => {
-                    metrics::garbage("entry");
-                    Lookup::Garbage(e)
-                }
-            },
-        })
+        Ok(raw.and_then(|raw| match Entry::decode(raw) {
+            Ok(entry) => Some(entry),
+            Err(error) => {
+                metrics::garbage("entry");
+                tracing::warn!(%error, key, "undecodable cache entry, treated as a miss");
+                None
+            }
+        }))
     }
 
     /// SET a value with a TTL (the strategies without a lock).
@@ -236,24 +235,20 @@ impl RedisCommands {
         Ok(reply.is_some())
     }
 
-    /// PTTL of a key: `None` when it does not exist, `Some(None)` when it has no expiry.
-    pub async fn pttl(&self, key: &str) -> Result<Option<Option<Duration>>, RedisError> {
+    /// PTTL of a lock.
+    pub async fn pttl(&self, key: &str) -> Result<LockTtl, RedisError> {
         let ms: i64 = self.bounded(self.client.pttl(key)).await?;
         Ok(match ms {
-            -2 => None,
-            ms if ms < 0 => Some(None),
-            ms => Some(Some(Duration::from_millis(ms as u64))),
+            -2 => LockTtl::Absent,
+            ms if ms < 0 => LockTtl::NoExpiry,
+            ms => LockTtl::Expires(Duration::from_millis(ms as u64)),
         })
     }
 
     /// The leader's finish (see [`FINISH_LUA`]).
-    #[allow(clippy::too_many_arguments)]
     pub async fn finish(
         &self,
-        value_key: &str,
-        lock_key: &str,
-        fail_safe_key: &str,
-        channel: &str,
+        keys: &ItemKeys,
         token: &str,
         entry: &Entry,
         store: StoreFor,
@@ -262,15 +257,19 @@ impl RedisCommands {
             Value::Bytes(entry.raw().clone()),
             Value::Integer(ms(store.value)),
             Value::from(token),
-            Value::from(channel),
+            Value::from(keys.channel.as_str()),
             Value::Integer(ms(store.fail_safe)),
             Value::Integer(ms(store.failure)),
             Value::from(if self.sharded { "SPUBLISH" } else { "PUBLISH" }),
         ];
-        let (_receivers, released, payload): (i64, i64, Bytes) = self
+        let (released, payload): (i64, Bytes) = self
             .bounded(self.finish.evalsha_with_reload(
                 &self.client,
-                vec![value_key, lock_key, fail_safe_key],
+                vec![
+                    keys.value.as_str(),
+                    keys.lock.as_str(),
+                    keys.fail_safe.as_str(),
+                ],
                 args,
             ))
             .await?;
@@ -350,5 +349,20 @@ pub(crate) async fn guarded<T>(
             metrics::redis_error("timeout");
             Err(RedisError::Timeout(timeout))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every placeholder of the finish script is filled from `cache/entry.rs`.
+    #[test]
+    fn the_finish_script_reads_the_envelope_layout_from_its_constants() {
+        let lua = finish_lua();
+        assert!(!lua.contains('$'), "{lua}");
+        let status_byte = format!("string.byte(entry, {})", entry::STATUS_AT + 1);
+        assert!(lua.contains(&status_byte), "{lua}");
+        assert!(lua.contains(&format!("== {}", entry::VERSION)));
     }
 }

@@ -8,10 +8,7 @@ use axum::{
 use serde_json::json;
 
 use super::id::InvalidId;
-use crate::{
-    flight::{ReadError, Served},
-    telemetry::metrics,
-};
+use crate::flight::ReadError;
 
 /// Every error a client can see. Bodies are `{"error": "..."}`; 5xx bodies
 /// never carry internals (those are logged where they happen).
@@ -22,7 +19,7 @@ pub enum ApiError {
     #[error("invalid path")]
     InvalidPath,
     #[error("post not found")]
-    PostNotFound(Served),
+    PostNotFound,
     #[error("no such route")]
     RouteNotFound,
     #[error("method not allowed")]
@@ -43,7 +40,7 @@ impl ApiError {
     pub fn status_code(&self) -> StatusCode {
         match self {
             ApiError::InvalidId(_) | ApiError::InvalidPath => StatusCode::BAD_REQUEST,
-            ApiError::PostNotFound(_) | ApiError::RouteNotFound => StatusCode::NOT_FOUND,
+            ApiError::PostNotFound | ApiError::RouteNotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Unavailable | ApiError::Overloaded | ApiError::RequestTimeout => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -82,12 +79,6 @@ impl IntoResponse for ApiError {
             Json(json!({ "error": self.to_string() })),
         )
             .into_response();
-        metrics::http_error(self.status_code().as_u16());
-        if let ApiError::PostNotFound(served) = self {
-            response
-                .headers_mut()
-                .insert("x-cache", HeaderValue::from_static(served.header()));
-        }
         if let ApiError::MethodNotAllowed = self {
             response
                 .headers_mut()

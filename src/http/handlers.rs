@@ -10,7 +10,7 @@ use axum::{
 };
 use serde_json::json;
 
-use super::{error::ApiError, id::PostId, AppState};
+use super::{error::ApiError, id::PostId, served, AppState};
 use crate::{
     cache::{now_millis, Entry, Status},
     flight::{Answer, Served},
@@ -36,7 +36,7 @@ pub async fn get_post(
     let Path(segment) = path.map_err(|_| ApiError::InvalidPath)?;
     let id = PostId::parse(&segment)?;
     tracing::Span::current().record("id", id.get());
-    let answer = match state.read_path.get(id.get()).await {
+    let answer = match state.read_path.read(id.get()).await {
         Ok(answer) => answer,
         Err(e) => {
             tracing::Span::current().record("outcome", e.to_string());
@@ -44,7 +44,7 @@ pub async fn get_post(
             return Err(e.into());
         }
     };
-    let label = answer.served.label(answer.entry.status());
+    let label = served::label(answer.served, answer.entry().status());
     tracing::Span::current().record("outcome", label);
     metrics::request(label, started.elapsed());
     let grace = state.read_path.settings().stale_while_revalidate;
@@ -54,25 +54,29 @@ pub async fn get_post(
 /// The response for an entry: body or 404, with the HTTP caching headers
 /// (RFC 9111 / RFC 5861) and a 304 for a matching `If-None-Match`.
 fn respond(answer: &Answer, request_headers: &HeaderMap, grace: Duration) -> Response {
-    let entry = &answer.entry;
+    let entry = answer.entry();
     let now = now_millis();
-    let mut response = match entry.status() {
-        Status::Found if if_none_match(request_headers, entry) => {
-            StatusCode::NOT_MODIFIED.into_response()
-        }
-        Status::Found => (
+    let found = entry.status() == Status::Found;
+    // An answer is found or not found, never a failure (`Answer::new`).
+    let mut response = if !found {
+        ApiError::PostNotFound.into_response()
+    } else if if_none_match(request_headers, entry) {
+        StatusCode::NOT_MODIFIED.into_response()
+    } else {
+        (
             [(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
             )],
             entry.body(),
         )
-            .into_response(),
-        Status::NotFound => ApiError::PostNotFound(answer.served).into_response(),
-        Status::Failed => return ApiError::Unavailable.into_response(),
+            .into_response()
     };
     let headers = response.headers_mut();
-    headers.insert(X_CACHE, HeaderValue::from_static(answer.served.header()));
+    headers.insert(
+        X_CACHE,
+        HeaderValue::from_static(served::header(answer.served)),
+    );
     let max_age = entry.fresh_until().saturating_sub(now) / 1000;
     let cache_control = if grace.is_zero() {
         format!("public, max-age={max_age}")
@@ -85,7 +89,7 @@ fn respond(answer: &Answer, request_headers: &HeaderMap, grace: Duration) -> Res
     let age = now.saturating_sub(entry.stored_at()) / 1000;
     insert(headers, header::CACHE_CONTROL, cache_control);
     insert(headers, header::AGE, age.to_string());
-    if entry.status() == Status::Found {
+    if found {
         insert(headers, header::ETAG, etag(entry));
     }
     if answer.served == Served::Stale {

@@ -4,22 +4,26 @@
 mod error;
 mod handlers;
 mod id;
+mod served;
 
 use std::{sync::Arc, time::Duration};
 
-use axum::{error_handling::HandleErrorLayer, routing::get, BoxError, Router};
+use axum::{
+    error_handling::HandleErrorLayer, middleware::map_response, response::Response, routing::get,
+    BoxError, Router,
+};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower::ServiceBuilder;
 
 pub use error::ApiError;
 pub use id::{InvalidId, PostId};
 
-use crate::{flight::ReadPath, posts::PostSource};
+use crate::{flight::ReadPath, posts::PostStore, telemetry::metrics};
 
 /// What every handler can reach.
 #[derive(Clone)]
 pub struct AppState {
-    pub read_path: Arc<ReadPath<PostSource>>,
+    pub read_path: Arc<ReadPath<PostStore>>,
     pub db: sqlx::PgPool,
     pub metrics: PrometheusHandle,
 }
@@ -47,6 +51,8 @@ pub fn app(state: AppState, limits: Limits) -> Router {
         .with_state(state)
         .layer(
             ServiceBuilder::new()
+                // Outermost: counts every error response, the layers' own included.
+                .layer(map_response(count_errors))
                 .layer(HandleErrorLayer::new(|error: BoxError| async move {
                     ApiError::from_layer(error.as_ref())
                 }))
@@ -56,4 +62,13 @@ pub fn app(state: AppState, limits: Limits) -> Router {
                 .concurrency_limit(limits.max_in_flight)
                 .timeout(limits.request_timeout),
         )
+}
+
+/// Counts error responses by status code.
+async fn count_errors(response: Response) -> Response {
+    let status = response.status();
+    if status.is_client_error() || status.is_server_error() {
+        metrics::http_error(status.as_u16());
+    }
+    response
 }

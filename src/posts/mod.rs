@@ -78,23 +78,12 @@ impl PostStore {
     }
 }
 
-/// Loads posts for the read path: the JSON body, or `None` when absent.
-#[derive(Debug, Clone)]
-pub struct PostSource {
-    store: PostStore,
-}
-
-impl PostSource {
-    pub fn new(store: PostStore) -> Self {
-        Self { store }
-    }
-}
-
-impl crate::flight::Source for PostSource {
+/// The read path loads a post as its JSON body, `None` when absent.
+impl crate::flight::Source for PostStore {
     type Key = i64;
 
     async fn load(&self, id: &i64) -> Result<Option<bytes::Bytes>, crate::flight::LoadError> {
-        let Some(post) = self.store.find(*id).await? else {
+        let Some(post) = self.find(*id).await? else {
             return Ok(None);
         };
         Ok(Some(serde_json::to_vec(&post)?.into()))

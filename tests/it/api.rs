@@ -1,12 +1,11 @@
 //! The HTTP contract and plain cache-aside, against the real servers.
 
-mod support;
-
 use std::time::Duration;
 
-use fred::prelude::*;
-use postcache::cache::{Jitter, Status};
-use support::TestEnv;
+use postcache::{
+    cache::{Jitter, Status},
+    testkit::{free_port, TableLock, TestEnv, PATIENT},
+};
 
 #[tokio::test]
 async fn a_post_is_served_as_json_first_as_a_miss_then_as_a_hit() {
@@ -145,17 +144,7 @@ async fn an_undecodable_entry_is_a_miss_and_gets_replaced() {
         b"",
         b"\x01\x07garbage-garbage-garbage-!",
     ] {
-        let _: () = env
-            .redis
-            .set(
-                &key,
-                garbage,
-                Some(fred::types::Expiration::EX(60)),
-                None,
-                false,
-            )
-            .await
-            .unwrap();
+        env.set(&key, garbage, Duration::from_secs(60)).await;
 
         let reply = app.get("/posts/2").await;
 
@@ -174,8 +163,8 @@ async fn unknown_routes_are_404_and_wrong_methods_405_both_in_json() {
     let app = env.spawn(&[]).await;
 
     let unknown = app.get("/nothing/here").await;
-    let post = app.request(reqwest::Method::POST, "/posts/1").await;
-    let delete = app.request(reqwest::Method::DELETE, "/healthz").await;
+    let post = app.http.request(reqwest::Method::POST, "/posts/1").await;
+    let delete = app.http.request(reqwest::Method::DELETE, "/healthz").await;
 
     assert_eq!(unknown.status, 404);
     assert!(!unknown.error().is_empty());
@@ -202,7 +191,7 @@ async fn healthz_is_ok_and_readyz_reports_both_backends() {
 #[tokio::test]
 async fn readyz_says_which_backend_is_down() {
     let env = TestEnv::new(1).await;
-    let closed = support::faults::free_port();
+    let closed = free_port();
     let no_redis = env
         .spawn(&[
             "--redis-url",
@@ -238,31 +227,16 @@ async fn readyz_says_which_backend_is_down() {
 #[tokio::test]
 async fn a_request_in_flight_finishes_after_the_shutdown_signal() {
     let env = TestEnv::new(1).await;
-    let app = env
-        .spawn(&[
-            "--wait-timeout",
-            "10s",
-            "--lock-ttl",
-            "15s",
-            "--db-statement-timeout",
-            "10s",
-        ])
-        .await;
-    let lock = support::TableLock::take(&env).await;
-    let pending = {
-        let (http, base) = (app.http.clone(), app.base.clone());
-        tokio::spawn(async move { http.get(format!("{base}/posts/1")).send().await })
-    };
-    wait_while!(
-        "requests to arrive and the leader to block",
-        support::blocked_loads(&env).await == 0
-    );
+    let app = env.spawn(PATIENT).await;
+    let lock = TableLock::take(&env).await;
+    let pending = app.http.spawn_get("/posts/1");
+    env.until_held(std::slice::from_ref(&app), 1).await;
 
     let stopping = tokio::spawn(app.stop());
     tokio::time::sleep(Duration::from_millis(200)).await;
     lock.release().await;
 
-    let reply = pending.await.unwrap().expect("the request was answered");
-    assert_eq!(reply.status(), 200);
+    let (reply, _) = pending.await.expect("the request was answered");
+    assert_eq!(reply.status, 200);
     stopping.await.unwrap();
 }

@@ -1,61 +1,9 @@
 //! Scenarios run against a single Redis and against a Redis Cluster.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::future::join_all;
-
-use super::{blocked_loads, TableLock, TestApp, TestEnv};
-
-/// Settings for tests that hold a load back: generous bounds, so only the
-/// behaviour under test decides the outcome.
-pub const PATIENT: &[&str] = &[
-    "--redis-timeout",
-    "2s",
-    "--wait-timeout",
-    "20s",
-    "--lock-ttl",
-    "25s",
-    "--db-statement-timeout",
-    "20s",
-];
-
-/// Fires `n` requests for `path`, spread round-robin over `apps`.
-pub fn fire(
-    apps: &[TestApp],
-    path: &str,
-    n: usize,
-) -> Vec<tokio::task::JoinHandle<(super::Reply, Instant)>> {
-    (0..n)
-        .map(|i| {
-            let app = &apps[i % apps.len()];
-            let (http, url) = (app.http.clone(), format!("{}{path}", app.base));
-            tokio::spawn(async move {
-                let response = http.get(url).send().await.expect("request failed");
-                let status = response.status().as_u16();
-                let headers = response.headers().clone();
-                let x_cache = headers
-                    .get("x-cache")
-                    .map(|v| v.to_str().unwrap().to_owned());
-                let body = response.bytes().await.unwrap();
-                let done = Instant::now();
-                (
-                    super::Reply {
-                        status,
-                        x_cache,
-                        content_type: None,
-                        body,
-                        headers,
-                    },
-                    done,
-                )
-            })
-        })
-        .collect()
-}
-
-pub async fn in_progress(apps: &[TestApp]) -> usize {
-    apps.iter().map(TestApp::reads_in_progress).sum()
-}
+use postcache::testkit::{fire, wait_until, TableLock, TestEnv, PATIENT};
 
 /// 1,000 concurrent requests for one cold post over 3 instances: one
 /// database read (counted by PostgreSQL), 1 miss and 999 coalesced, identical
@@ -67,11 +15,7 @@ pub async fn a_thousand_misses_make_one_query(env: &TestEnv) {
 
     // Every request is inside the service before the leader's load may finish.
     let requests = fire(&apps, "/posts/7", 1000);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while in_progress(&apps).await < 1000 || blocked_loads(env).await < 1 {
-        assert!(Instant::now() < deadline, "requests did not all arrive");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    env.until_held(&apps, 1000).await;
     lock.release().await;
     let replies: Vec<_> = join_all(requests)
         .await
@@ -108,14 +52,12 @@ pub async fn a_thousand_misses_make_one_query(env: &TestEnv) {
         "the lock was released"
     );
     let channel = env.keys.channel(7);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while env.numsub(&channel).await != 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the ready channel kept subscribers"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        "the ready channel to lose its subscribers",
+        Duration::from_secs(5),
+        async || env.numsub(&channel).await == 0,
+    )
+    .await;
 }
 
 /// Waiters answer within milliseconds of the leader's release, not a poll
@@ -124,10 +66,7 @@ pub async fn waiters_answer_within_milliseconds_of_the_release(env: &TestEnv) {
     let apps = join_all((0..2).map(|_| env.spawn(PATIENT))).await;
     let lock = TableLock::take(env).await;
     let requests = fire(&apps, "/posts/3", 40);
-    wait_while!(
-        "requests to arrive and the leader to block",
-        in_progress(&apps).await < 40 || blocked_loads(env).await < 1
-    );
+    env.until_held(&apps, 40).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let released = lock.release().await;

@@ -1,35 +1,30 @@
 //! Redis Cluster: a local 3-master cluster started by the test support, keys
 //! of one post on one slot, sharded pub/sub, and the single-flight scenarios.
 
-mod support;
-
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::future::join_all;
-use support::{
-    blocked_loads,
-    faults::RedisCluster,
-    scenarios::{self, fire, in_progress, PATIENT},
-    TableLock, TestEnv,
-};
+use postcache::testkit::{fire, wait_until, RedisCluster, TableLock, TestEnv, PATIENT};
+
+use crate::scenarios;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_thousand_misses_over_three_instances_make_one_query_on_a_cluster() {
-    let cluster = RedisCluster::start(3, 0);
+    let cluster = RedisCluster::start(3, 0).await;
     let env = TestEnv::with_redis(10, cluster.url()).await;
     scenarios::a_thousand_misses_make_one_query(&env).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_a_cluster_waiters_are_woken_by_sharded_pubsub_within_milliseconds() {
-    let cluster = RedisCluster::start(3, 0);
+    let cluster = RedisCluster::start(3, 0).await;
     let env = TestEnv::with_redis(10, cluster.url()).await;
     scenarios::waiters_answer_within_milliseconds_of_the_release(&env).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_posts_keys_share_one_slot_and_waiters_use_shard_channels() {
-    let cluster = RedisCluster::start(3, 0);
+    let cluster = RedisCluster::start(3, 0).await;
     let env = TestEnv::with_redis(10, cluster.url()).await;
     let port = cluster.ports[0];
     let slot = |key: &str| cluster.cli(port, &["cluster", "keyslot", key]);
@@ -44,22 +39,15 @@ async fn a_posts_keys_share_one_slot_and_waiters_use_shard_channels() {
     let apps = join_all((0..2).map(|_| env.spawn(PATIENT))).await;
     let lock = TableLock::take(&env).await;
     let requests = fire(&apps, "/posts/5", 20);
-    wait_while!(
-        "requests to arrive and the leader to block",
-        in_progress(&apps).await < 20 || blocked_loads(&env).await < 1
-    );
+    env.until_held(&apps, 20).await;
     let owner = cluster.master_of(&env.keys.channel(5));
     let channel = env.keys.channel(5);
     // The waiting instance listens on the owning shard, with SSUBSCRIBE.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
+    wait_until("a shard subscriber", Duration::from_secs(5), async || {
         let sharded = cluster.cli(owner, &["pubsub", "shardnumsub", &channel]);
-        if sharded.lines().nth(1) == Some("1") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no shard subscriber: {sharded}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        sharded.lines().nth(1) == Some("1")
+    })
+    .await;
     let classic: Vec<String> = cluster
         .ports
         .iter()
@@ -86,7 +74,7 @@ async fn a_posts_keys_share_one_slot_and_waiters_use_shard_channels() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_master_failover_is_survived_failing_open_meanwhile() {
-    let mut cluster = RedisCluster::start(3, 1);
+    let mut cluster = RedisCluster::start(3, 1).await;
     let env = TestEnv::with_redis(30, cluster.url()).await;
     let app = env.spawn(&["--redis-timeout", "200ms"]).await;
     let victim = cluster.master_of(&env.keys.value(1));
@@ -107,21 +95,22 @@ async fn a_master_failover_is_survived_failing_open_meanwhile() {
     );
 
     // After the failover, caching resumes on those slots without a restart.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        // The test's own client may wait for the new topology: bound it.
-        let del = fred::prelude::KeysInterface::del::<(), _>(&env.redis, env.keys.value(1));
-        let _ = tokio::time::timeout(Duration::from_secs(1), del).await;
-        let x = app.get("/posts/1").await.x_cache;
-        let again = app.get("/posts/1").await.x_cache;
-        if x.as_deref() == Some("miss") && again.as_deref() == Some("hit") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "caching did not resume after the failover ({x:?}, {again:?})"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    cluster.restart(victim);
+    wait_until(
+        "caching to resume after the failover",
+        Duration::from_secs(30),
+        async || {
+            // The test's own client may wait for the new topology: bound it.
+            let del = fred::prelude::KeysInterface::del::<(), _>(&env.redis, env.keys.value(1));
+            let _ = tokio::time::timeout(Duration::from_secs(1), del).await;
+            let x = app.get("/posts/1").await.x_cache;
+            let again = app.get("/posts/1").await.x_cache;
+            let resumed = x.as_deref() == Some("miss") && again.as_deref() == Some("hit");
+            if !resumed {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            resumed
+        },
+    )
+    .await;
+    cluster.restart(victim).await;
 }

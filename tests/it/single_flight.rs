@@ -1,7 +1,5 @@
 //! Fleet-wide single-flight: one load per key for every instance, waiters woken by pub/sub.
 
-mod support;
-
 use std::{
     sync::Arc,
     time::{Duration, Instant},
@@ -12,40 +10,29 @@ use futures::future::join_all;
 use postcache::{
     cache::{Entry, Status},
     flight::{Hooks, RedisCommands, StoreFor},
+    testkit::{fire, wait_until, TableLock, TestEnv, PATIENT},
 };
-use support::{
-    blocked_loads,
-    scenarios::{fire, in_progress, PATIENT},
-    TableLock, TestEnv,
-};
+
+use crate::scenarios;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_thousand_concurrent_misses_over_three_instances_make_one_query() {
     let env = TestEnv::new(10).await;
-    support::scenarios::a_thousand_misses_make_one_query(&env).await;
+    scenarios::a_thousand_misses_make_one_query(&env).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn waiters_answer_within_milliseconds_of_the_release_not_a_poll_later() {
     let env = TestEnv::new(10).await;
-    support::scenarios::waiters_answer_within_milliseconds_of_the_release(&env).await;
+    scenarios::waiters_answer_within_milliseconds_of_the_release(&env).await;
 }
 
 #[tokio::test]
 async fn a_value_written_from_outside_without_publish_is_found_by_the_recheck() {
     let env = TestEnv::new(10).await;
     let (value_key, lock_key) = (env.keys.value(4), env.keys.lock(4));
-    let _: () = env
-        .redis
-        .set(
-            &lock_key,
-            "outsider",
-            Some(Expiration::PX(20_000)),
-            None,
-            false,
-        )
-        .await
-        .unwrap();
+    env.set(&lock_key, "outsider", Duration::from_secs(20))
+        .await;
     // The outsider's value lands after the waiter's first GET and before its
     // re-check, and nobody publishes: only the re-check can find it.
     let writer = env.redis.clone();
@@ -91,17 +78,12 @@ async fn a_value_written_from_outside_without_publish_is_found_by_the_recheck() 
 async fn a_lock_nobody_fills_is_taken_over_after_its_expiry_with_one_query() {
     let env = TestEnv::new(10).await;
     let before = env.post_reads().await;
-    let _: () = env
-        .redis
-        .set(
-            env.keys.lock(5),
-            "crashed-leader",
-            Some(Expiration::PX(700)),
-            None,
-            false,
-        )
-        .await
-        .unwrap();
+    env.set(
+        &env.keys.lock(5),
+        "crashed-leader",
+        Duration::from_millis(700),
+    )
+    .await;
     // The lock's lifetime counts from here, not from the first request.
     let locked_at = Instant::now();
     let app = env.spawn(&["--wait-timeout", "5s"]).await;
@@ -125,17 +107,8 @@ async fn a_lock_nobody_fills_is_taken_over_after_its_expiry_with_one_query() {
 #[tokio::test]
 async fn a_lock_held_past_wait_timeout_gives_504_in_json() {
     let env = TestEnv::new(10).await;
-    let _: () = env
-        .redis
-        .set(
-            env.keys.lock(6),
-            "stuck",
-            Some(Expiration::PX(10_000)),
-            None,
-            false,
-        )
-        .await
-        .unwrap();
+    env.set(&env.keys.lock(6), "stuck", Duration::from_secs(10))
+        .await;
     let app = env.spawn(&["--wait-timeout", "400ms"]).await;
 
     let started = Instant::now();
@@ -159,16 +132,9 @@ async fn a_failed_load_gives_503_to_every_waiter_at_once_and_recovers_after_repa
     let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
     let mut lock = TableLock::take(&env).await;
     let requests = fire(&apps, "/posts/8", 50);
-    wait_while!(
-        "requests to arrive and the leader to block",
-        in_progress(&apps).await < 50 || blocked_loads(&env).await < 1
-    );
+    env.until_held(&apps, 50).await;
     // Break the table under the blocked leader, then let it go.
-    let tx = lock.tx_mut_for_test();
-    sqlx::query("alter table posts rename to posts_away")
-        .execute(&mut **tx)
-        .await
-        .unwrap();
+    lock.execute("alter table posts rename to posts_away").await;
     let released = lock.commit().await;
     let results: Vec<_> = join_all(requests)
         .await
@@ -196,10 +162,7 @@ async fn a_failed_load_gives_503_to_every_waiter_at_once_and_recovers_after_repa
         "the failed leader released its lock"
     );
 
-    sqlx::query("alter table posts_away rename to posts")
-        .execute(&env.admin)
-        .await
-        .unwrap();
+    env.break_posts(false).await;
     let after = apps[0].get("/posts/8").await;
     assert_eq!(after.status, 200);
 }
@@ -208,8 +171,8 @@ async fn a_failed_load_gives_503_to_every_waiter_at_once_and_recovers_after_repa
 async fn a_leader_whose_lock_expired_does_not_delete_the_new_leaders_lock() {
     let env = TestEnv::new(0).await;
     let commands = RedisCommands::new(env.redis.clone(), Duration::from_secs(1));
-    let (value, lock, channel) = (env.keys.value(9), env.keys.lock(9), env.keys.channel(9));
-    let fail_safe = env.keys.fail_safe(9);
+    let keys = env.keys.item(9);
+    let lock = keys.lock.clone();
     let store = StoreFor {
         value: Duration::from_secs(60),
         fail_safe: Duration::ZERO,
@@ -232,15 +195,7 @@ async fn a_leader_whose_lock_expired_does_not_delete_the_new_leaders_lock() {
         Duration::ZERO,
     );
     let released = commands
-        .finish(
-            &value,
-            &lock,
-            &fail_safe,
-            &channel,
-            "old-leader",
-            &entry,
-            store,
-        )
+        .finish(&keys, "old-leader", &entry, store)
         .await
         .unwrap()
         .released;
@@ -250,15 +205,7 @@ async fn a_leader_whose_lock_expired_does_not_delete_the_new_leaders_lock() {
     assert_eq!(holder.as_deref(), Some("new-leader"));
     assert!(
         commands
-            .finish(
-                &value,
-                &lock,
-                &fail_safe,
-                &channel,
-                "new-leader",
-                &entry,
-                store
-            )
+            .finish(&keys, "new-leader", &entry, store)
             .await
             .unwrap()
             .released
@@ -296,23 +243,20 @@ async fn after_a_burst_no_subscriber_and_no_lock_remain() {
             "lock of {id} left behind"
         );
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let mut subscribed = 0;
-        for id in 1..=20 {
-            subscribed += env.numsub(&env.keys.channel(id)).await;
-        }
-        let local: usize = apps
-            .iter()
-            .map(|a| a.state.read_path.subscriber().channels())
-            .sum();
-        if subscribed == 0 && local == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{subscribed} subscriptions, {local} local channels left"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        "every subscription to end",
+        Duration::from_secs(5),
+        async || {
+            let mut subscribed = 0;
+            for id in 1..=20 {
+                subscribed += env.numsub(&env.keys.channel(id)).await;
+            }
+            let local: usize = apps
+                .iter()
+                .map(|a| a.state.read_path.subscriber().channels())
+                .sum();
+            subscribed == 0 && local == 0
+        },
+    )
+    .await;
 }

@@ -1,0 +1,304 @@
+//! Freshness, as pure functions of an entry, the clock and the settings:
+//! what an entry read from Redis means for a read (the verdict, decided once,
+//! here), when a fresh hit refreshes early (XFetch), and how long the leader's
+//! finish keeps what it loaded (the store policy).
+//!
+//! ```text
+//! stored_at        fresh_until     + STALE_WHILE_REVALIDATE     + MAX_STALE
+//!     │── Fresh ───────│── StaleInGrace ──│── Miss (value gone) ──────│
+//!                      └──────── fail-safe copy kept (stale:…) ───────┘
+//! ```
+
+use std::time::Duration;
+
+use super::{Answer, ReadError, Served};
+use crate::cache::{Entry, Status};
+
+/// What an entry read from Redis means for a read at a given instant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Fresh: serve it.
+    Fresh(Entry),
+    /// A fail-safe copy re-served after a failed load, until FAILURE_TTL
+    /// ends the backoff: serve it as stale, never refresh it.
+    Backoff(Entry),
+    /// Past freshness, inside the grace window: serve it as stale while one
+    /// background refresh runs.
+    StaleInGrace(Entry),
+    /// A failure marker: the last load failed within FAILURE_TTL.
+    Failed,
+    /// Nothing to serve: absent, undecodable, or stale past the grace window.
+    Miss,
+}
+
+/// The verdict on `entry` (`None`: absent or undecodable) at `now` (unix
+/// milliseconds), with `grace` the stale-while-revalidate window.
+pub fn judge(entry: Option<Entry>, now: u64, grace: Duration) -> Verdict {
+    let Some(entry) = entry else {
+        return Verdict::Miss;
+    };
+    // Order matters: a failure marker carries no body whatever its flags,
+    // and a backoff copy is served whatever its freshness (it is kept only
+    // for FAILURE_TTL, which is the backoff).
+    if entry.status() == Status::Failed {
+        Verdict::Failed
+    } else if entry.is_backoff() {
+        Verdict::Backoff(entry)
+    } else if entry.is_fresh(now) {
+        Verdict::Fresh(entry)
+    } else if !grace.is_zero() && now < entry.fresh_until().saturating_add(millis(grace)) {
+        Verdict::StaleInGrace(entry)
+    } else {
+        Verdict::Miss
+    }
+}
+
+impl Verdict {
+    /// What a read waiting for another's load makes of an entry it found or
+    /// was sent: an answer (served as `fresh` when fresh), a failure, or
+    /// `None` (nothing yet: keep waiting). A stale entry in its grace window
+    /// is not an answer for a waiter: it waits for the load in progress.
+    pub fn settle(self, fresh: Served) -> Option<Result<Answer, ReadError>> {
+        match self {
+            Verdict::Fresh(entry) | Verdict::Backoff(entry) => Some(Answer::new(entry, fresh)),
+            Verdict::Failed => Some(Err(ReadError::Unavailable)),
+            Verdict::StaleInGrace(_) | Verdict::Miss => None,
+        }
+    }
+}
+
+/// XFetch (Vattani, Chierichetti, Lowenstein, VLDB 2015): refresh early when
+/// `now − Δ·β·ln(u) ≥ expiry`, u uniform in (0, 1], Δ the last load's duration.
+/// With r = expiry − now, this fires with probability exp(−r / (Δ·β)).
+pub fn xfetch_fires(
+    now_ms: u64,
+    fresh_until_ms: u64,
+    load_time: Duration,
+    beta: f64,
+    u: f64,
+) -> bool {
+    if beta <= 0.0 {
+        return false;
+    }
+    let gap_ms = -(load_time.as_secs_f64() * 1e3 * beta * u.ln());
+    now_ms as f64 + gap_ms >= fresh_until_ms as f64
+}
+
+/// Lifetimes the leader's finish stores with (0: do not store that key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreFor {
+    /// The value key.
+    pub value: Duration,
+    /// The fail-safe copy.
+    pub fail_safe: Duration,
+    /// The backoff after a failure: the failure marker, or the last good copy
+    /// flagged BACKOFF.
+    pub failure: Duration,
+}
+
+/// The settings the store policy reads.
+#[derive(Debug, Clone, Copy)]
+pub struct Lifetimes {
+    pub stale_while_revalidate: Duration,
+    pub max_stale: Duration,
+    /// FAILURE_TTL, already jittered (0: off).
+    pub failure_ttl: Duration,
+}
+
+/// How long to keep what a load produced:
+/// - found: the value for its freshness plus the grace window, and a
+///   fail-safe copy for freshness plus MAX_STALE (only when that outlives
+///   the value: otherwise the copy would add nothing);
+/// - not found: the value for its freshness, no copy (a deleted item must
+///   not come back from one);
+/// - failed: nothing but the backoff, for FAILURE_TTL.
+pub fn store_for(entry: &Entry, l: Lifetimes) -> StoreFor {
+    let fresh = Duration::from_millis(entry.fresh_until().saturating_sub(entry.stored_at()));
+    match entry.status() {
+        Status::Found => StoreFor {
+            value: fresh + l.stale_while_revalidate,
+            fail_safe: if l.max_stale > l.stale_while_revalidate {
+                fresh + l.max_stale
+            } else {
+                Duration::ZERO
+            },
+            failure: Duration::ZERO,
+        },
+        Status::NotFound => StoreFor {
+            value: fresh,
+            fail_safe: Duration::ZERO,
+            failure: Duration::ZERO,
+        },
+        Status::Failed => StoreFor {
+            value: Duration::ZERO,
+            fail_safe: Duration::ZERO,
+            failure: l.failure_ttl,
+        },
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    use super::*;
+
+    /// The refresh fires at the rate the formula predicts: exp(−r / (Δ·β)).
+    #[test]
+    fn xfetch_fires_at_the_predicted_rate() {
+        let mut rng = StdRng::seed_from_u64(2015);
+        let load = Duration::from_millis(20);
+        let beta = 2.0; // Δ·β = 40 ms
+        let fresh_until = 1_000_000;
+        for remaining_ms in [0u64, 10, 40, 80, 160] {
+            let trials = 20_000;
+            let fired = (0..trials)
+                .filter(|_| {
+                    let u = 1.0 - rng.random::<f64>();
+                    xfetch_fires(fresh_until - remaining_ms, fresh_until, load, beta, u)
+                })
+                .count();
+            let rate = fired as f64 / trials as f64;
+            let predicted = (-(remaining_ms as f64) / 40.0).exp();
+            assert!(
+                (rate - predicted).abs() < 0.015,
+                "{remaining_ms} ms before expiry: fired {rate:.4}, predicted {predicted:.4}"
+            );
+        }
+    }
+
+    #[test]
+    fn xfetch_never_fires_when_off() {
+        assert!(!xfetch_fires(
+            999,
+            1000,
+            Duration::from_secs(1),
+            0.0,
+            0.000_001
+        ));
+    }
+
+    #[test]
+    fn a_backoff_copy_is_settled_as_stale_and_a_marker_as_a_failure() {
+        let entry = Entry::stamped(Status::Found, b"x", 0, 10, Duration::ZERO).as_backoff();
+        let answer = judge(Some(entry), 1_000, Duration::ZERO)
+            .settle(Served::CoalescedRemote)
+            .expect("settled")
+            .expect("an answer");
+        assert_eq!(answer.served, Served::Stale);
+        let marker = Entry::stamped(Status::Failed, b"", 0, 0, Duration::ZERO);
+        assert_eq!(
+            judge(Some(marker), 1, Duration::ZERO).settle(Served::Miss),
+            Some(Err(ReadError::Unavailable))
+        );
+        assert_eq!(
+            judge(None, 1, Duration::ZERO).settle(Served::Miss),
+            None,
+            "a miss keeps a waiter waiting"
+        );
+    }
+}
+
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn status() -> impl Strategy<Value = Status> {
+        prop_oneof![
+            Just(Status::Found),
+            Just(Status::NotFound),
+            Just(Status::Failed)
+        ]
+    }
+
+    fn entry() -> impl Strategy<Value = Entry> {
+        (
+            status(),
+            0u64..1_000_000,
+            0u64..1_000_000,
+            any::<bool>(),
+            0u64..10_000,
+        )
+            .prop_map(|(status, stored_at, fresh_for, backoff, load_ms)| {
+                let e = Entry::stamped(
+                    status,
+                    b"{}",
+                    stored_at,
+                    stored_at + fresh_for,
+                    Duration::from_millis(load_ms),
+                );
+                if backoff {
+                    e.as_backoff()
+                } else {
+                    e
+                }
+            })
+    }
+
+    fn lifetimes() -> impl Strategy<Value = Lifetimes> {
+        (0u64..100_000, 0u64..10_000_000, 0u64..100_000).prop_map(|(swr, stale, failure)| {
+            Lifetimes {
+                stale_while_revalidate: Duration::from_millis(swr),
+                max_stale: Duration::from_millis(stale),
+                failure_ttl: Duration::from_millis(failure),
+            }
+        })
+    }
+
+    proptest! {
+        /// Exactly one verdict, from the definitions in the module map above.
+        #[test]
+        fn the_verdict_follows_status_flag_and_clock(e in entry(), now in 0u64..3_000_000, grace_ms in 0u64..1_000_000) {
+            let grace = Duration::from_millis(grace_ms);
+            let verdict = judge(Some(e.clone()), now, grace);
+            let in_grace = grace_ms > 0 && now < e.fresh_until() + grace_ms;
+            let expected = match e.status() {
+                Status::Failed => Verdict::Failed,
+                _ if e.is_backoff() => Verdict::Backoff(e.clone()),
+                _ if now < e.fresh_until() => Verdict::Fresh(e.clone()),
+                _ if in_grace => Verdict::StaleInGrace(e.clone()),
+                _ => Verdict::Miss,
+            };
+            prop_assert_eq!(verdict, expected);
+        }
+
+        /// A settled answer never carries a failure, and is stale exactly for a backoff copy.
+        #[test]
+        fn a_settled_answer_holds_no_failure(e in entry(), now in 0u64..3_000_000) {
+            if let Some(Ok(answer)) = judge(Some(e.clone()), now, Duration::ZERO).settle(Served::CoalescedRemote) {
+                prop_assert_ne!(answer.entry().status(), Status::Failed);
+                prop_assert_eq!(answer.served == Served::Stale, e.is_backoff());
+            }
+        }
+
+        #[test]
+        fn the_store_policy_keeps_each_kind_as_documented(e in entry(), l in lifetimes()) {
+            let s = store_for(&e, l);
+            let fresh = Duration::from_millis(e.fresh_until() - e.stored_at());
+            match e.status() {
+                Status::Found => {
+                    prop_assert_eq!(s.value, fresh + l.stale_while_revalidate);
+                    // The copy outlives the value or is not written at all.
+                    prop_assert!(s.fail_safe.is_zero() || s.fail_safe > s.value);
+                    prop_assert_eq!(s.fail_safe.is_zero(), l.max_stale <= l.stale_while_revalidate);
+                    prop_assert!(s.failure.is_zero());
+                }
+                Status::NotFound => {
+                    prop_assert_eq!(s.value, fresh);
+                    prop_assert!(s.fail_safe.is_zero(), "a not-found entry never has a copy");
+                    prop_assert!(s.failure.is_zero());
+                }
+                Status::Failed => {
+                    prop_assert!(s.value.is_zero() && s.fail_safe.is_zero());
+                    prop_assert_eq!(s.failure, l.failure_ttl);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! Background refreshes: stale-while-revalidate and XFetch early refresh.
+//!
+//! One lock-guarded refresh for the whole fleet, without anyone waiting: the
+//! instance that wins `SET NX` reloads (as a leader: double-check, watchdog,
+//! finish); the others do nothing and keep serving what they have. Each runs
+//! as a task of its own, so it completes even if the request that triggered
+//! it is gone, and shutdown waits for it.
+
+use std::{
+    collections::HashSet,
+    hash::Hash,
+    sync::{Arc, Mutex, PoisonError},
+};
+
+use rand::Rng;
+use tracing::Instrument;
+
+use super::{freshness::xfetch_fires, leader::lock_token, ReadPath, Source};
+use crate::{cache::Entry, telemetry::metrics};
+
+/// A key's place in the set of refreshes running in this process, left
+/// however the refresh ends (done, panicked, or dropped at shutdown).
+struct Refreshing<K: Eq + Hash> {
+    set: Arc<Mutex<HashSet<K>>>,
+    key: K,
+}
+
+impl<K: Eq + Hash + Clone> Refreshing<K> {
+    /// `None` when this process already refreshes `key`.
+    fn enter(set: &Arc<Mutex<HashSet<K>>>, key: &K) -> Option<Self> {
+        let inserted = set
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key.clone());
+        inserted.then(|| Self {
+            set: set.clone(),
+            key: key.clone(),
+        })
+    }
+}
+
+impl<K: Eq + Hash> Drop for Refreshing<K> {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.key);
+    }
+}
+
+impl<S: Source> ReadPath<S> {
+    /// XFetch on a fresh hit: the closer to expiry, the likelier one
+    /// request starts the refresh, so that a hot key never expires.
+    pub(super) fn maybe_refresh_early(self: &Arc<Self>, key: &S::Key, entry: &Entry, now: u64) {
+        let beta = self.settings.early_refresh_beta;
+        if beta <= 0.0 {
+            return;
+        }
+        // (0, 1]: ln(0) would be −∞.
+        let u = 1.0 - rand::rng().random::<f64>();
+        if xfetch_fires(now, entry.fresh_until(), entry.load_time(), beta, u) {
+            self.refresh_in_background(key.clone(), Some(entry.stored_at()));
+        }
+    }
+
+    /// Starts one refresh of `key` unless this process runs one already.
+    /// `seen` is the stored_at of the entry that triggered it.
+    pub(super) fn refresh_in_background(self: &Arc<Self>, key: S::Key, seen: Option<u64>) {
+        let Some(refreshing) = Refreshing::enter(&self.refreshing, &key) else {
+            return;
+        };
+        let this = self.clone();
+        self.tasks.spawn(
+            async move {
+                let _refreshing = refreshing;
+                let keys = this.keys.item(&key);
+                let token = lock_token();
+                match this
+                    .redis
+                    .try_lock(&keys.lock, &token, this.settings.lock_ttl)
+                    .await
+                {
+                    Ok(true) => {
+                        let result = match this.lead(&key, &keys, &token, seen).await {
+                            Err(_) => "failed",
+                            Ok(_) => "refreshed",
+                        };
+                        metrics::refresh(result);
+                    }
+                    Ok(false) => metrics::refresh("lost"),
+                    Err(error) => {
+                        tracing::debug!(%error, "background refresh skipped");
+                        metrics::refresh("failed");
+                    }
+                }
+            }
+            .instrument(tracing::info_span!(
+                "refresh",
+                load_ms = tracing::field::Empty
+            )),
+        );
+    }
+}

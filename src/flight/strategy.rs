@@ -1,0 +1,106 @@
+//! The load lab's strategies behind one seam: CACHE_STRATEGY is read here
+//! and nowhere else. `pubsub` (the default) and `poll` run the fleet-wide
+//! protocol ([`ReadPath::get`]) and differ only in how waiters wake
+//! ([`wake`]); `none`, `naive` and `local` are the baselines it is measured
+//! against (`load/compare`). A new strategy is one arm here.
+
+use std::{
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use super::{Answer, Outcome, ReadError, ReadPath, Served, Source, Verdict, Wake};
+use crate::{
+    cache::{now_millis, Status},
+    config::Strategy,
+    telemetry::metrics,
+};
+
+/// How the waiters of a strategy learn that the leader is done.
+pub(super) fn wake(strategy: Strategy, poll_interval: Duration) -> Wake {
+    match strategy {
+        Strategy::Poll => Wake::Poll(poll_interval),
+        // The baselines have no waiters; pub/sub is the product.
+        Strategy::Pubsub | Strategy::None | Strategy::Naive | Strategy::Local => Wake::Message,
+    }
+}
+
+/// Counts a read as in progress until dropped (answered or cancelled).
+struct InProgress<'a>(&'a AtomicUsize);
+
+impl<'a> InProgress<'a> {
+    fn enter(counter: &'a AtomicUsize) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        metrics::reads(1.0);
+        Self(counter)
+    }
+}
+
+impl Drop for InProgress<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+        metrics::reads(-1.0);
+    }
+}
+
+impl<S: Source> ReadPath<S> {
+    /// Reads one item through the cache, with the configured strategy.
+    pub async fn read(self: &Arc<Self>, key: S::Key) -> Result<Answer, ReadError> {
+        let _in_progress = InProgress::enter(&self.reads_in_progress);
+        match self.settings.strategy {
+            Strategy::Pubsub | Strategy::Poll => self.get(key).await,
+            // Every request reads the source.
+            Strategy::None => {
+                tracing::Span::current().record("role", "direct");
+                Answer::new(self.load_entry(&key).await, Served::Bypass)
+            }
+            // Cache-aside, every miss loads.
+            Strategy::Naive => match self.baseline_look_up(&key).await {
+                Ok(answer) => answer,
+                Err(redis_up) => {
+                    tracing::Span::current().record("role", "naive");
+                    self.cache_aside(&key, redis_up).await
+                }
+            },
+            // Cache-aside, one load per key per process.
+            Strategy::Local => match self.baseline_look_up(&key).await {
+                Ok(answer) => answer,
+                Err(redis_up) => {
+                    self.in_flight(key, move |this, key| async move {
+                        this.cache_aside(&key, redis_up).await
+                    })
+                    .await
+                }
+            },
+        }
+    }
+
+    /// A baseline's first GET: a fresh entry (no early refresh) or a backoff
+    /// copy is served; anything else is a miss, `Err(redis_up)`.
+    async fn baseline_look_up(&self, key: &S::Key) -> Result<Outcome, bool> {
+        let (verdict, redis_up) = self.look_up(key, now_millis(), Duration::ZERO).await;
+        match verdict {
+            Verdict::Fresh(entry) => Ok(Answer::new(entry, Served::Hit)),
+            Verdict::Backoff(entry) => Ok(Answer::new(entry, Served::Stale)),
+            Verdict::StaleInGrace(_) | Verdict::Failed | Verdict::Miss => Err(redis_up),
+        }
+    }
+
+    /// Load, then SET the value for its freshness: no lock, no waiting.
+    async fn cache_aside(&self, key: &S::Key, redis_up: bool) -> Outcome {
+        if !redis_up {
+            return self.bypass(key).await;
+        }
+        let entry = self.load_entry(key).await;
+        if entry.status() != Status::Failed {
+            let ttl = Duration::from_millis(entry.fresh_until().saturating_sub(entry.stored_at()));
+            if let Err(error) = self.redis.store(&self.keys.value(key), &entry, ttl).await {
+                tracing::warn!(%error, "failed to store the entry");
+            }
+        }
+        Answer::new(entry, Served::Miss)
+    }
+}

@@ -1,0 +1,378 @@
+//! One test's world: its database, its key prefix, its instances.
+
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use fred::prelude::*;
+use rand::Rng;
+use sqlx::{postgres::PgPoolOptions, Connection, PgConnection, PgPool};
+
+use super::{
+    http::TestApp, in_progress, init_tracing, redis_url, server_url, wait_until, ServiceProcess,
+    A_WHILE,
+};
+use crate::{
+    cache::{Entry, Keys},
+    cli::seed::generate,
+    config::{Cli, Command, DatabaseSettings, ServeArgs},
+    flight::Hooks,
+    posts::PostStore,
+    startup::{redis_config, Application},
+};
+
+/// A fresh, migrated, seeded database and a key prefix, dropped with it.
+pub struct TestEnv {
+    pub db_name: String,
+    pub db_url: String,
+    pub prefix: String,
+    pub keys: Keys,
+    /// A pool for the test's own SQL (its reads of `posts` are not counted:
+    /// [`TestEnv::post_reads`] counts the service's only).
+    pub admin: PgPool,
+    pub redis: Client,
+    pub redis_url: String,
+}
+
+impl TestEnv {
+    /// A database with posts 1..=posts seeded, on the shared Redis.
+    pub async fn new(posts: u64) -> Self {
+        Self::with_redis(posts, redis_url()).await
+    }
+
+    pub async fn with_redis(posts: u64, redis_url: String) -> Self {
+        Self::build(posts, redis_url, true).await
+    }
+
+    /// As [`TestEnv::with_redis`] for a Redis that may be down: the test's own
+    /// client connects in the background.
+    pub async fn with_redis_lazy(posts: u64, redis_url: String) -> Self {
+        Self::build(posts, redis_url, false).await
+    }
+
+    async fn build(posts: u64, redis_url: String, redis_up: bool) -> Self {
+        init_tracing();
+        let tag = format!("{:016x}", rand::rng().random::<u64>());
+        let db_name = format!("postcache_test_{tag}");
+        let db_url = format!("{}/{db_name}", server_url());
+        let settings = DatabaseSettings {
+            database_url: db_url.clone(),
+            db_max_connections: 4,
+            db_acquire_timeout: Duration::from_secs(10),
+            db_statement_timeout: Duration::from_secs(30),
+        };
+        crate::db::migrate(&settings)
+            .await
+            .expect("failed to create the test database");
+        if posts > 0 {
+            let store = PostStore::new(crate::db::connect(&settings).await.unwrap());
+            let all: Vec<_> = (1..=posts as i64).map(|id| generate(id, 1)).collect();
+            for chunk in all.chunks(5_000) {
+                store.upsert_batch(chunk).await.expect("failed to seed");
+            }
+            store.pool().close().await;
+        }
+        let admin = PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&db_url)
+            .await
+            .expect("failed to connect to the test database");
+        let redis = Builder::from_config(redis_config(&redis_url).unwrap())
+            .set_policy(fred::types::config::ReconnectPolicy::new_constant(0, 100))
+            .build()
+            .unwrap();
+        if redis_up {
+            redis.init().await.expect("failed to connect to Redis");
+        } else {
+            drop(redis.connect());
+        }
+        let prefix = format!("t{tag}:");
+        Self {
+            keys: Keys::new(prefix.clone(), "post"),
+            db_name,
+            db_url,
+            prefix,
+            admin,
+            redis,
+            redis_url,
+        }
+    }
+
+    /// The settings of an instance of this world, with `extra` flags. A flag
+    /// of `extra` replaces the same flag of the base settings and any earlier
+    /// one of `extra` (`--flag value`, `--flag=value` or a boolean `--flag`).
+    pub fn serve_args(&self, extra: &[&str]) -> ServeArgs {
+        let base = [
+            "--database-url",
+            &self.db_url,
+            "--redis-url",
+            &self.redis_url,
+            "--key-prefix",
+            &self.prefix,
+            "--listen-addr",
+            "127.0.0.1:0",
+            "--no-migrate",
+        ];
+        let mut flags: Vec<(String, Option<String>)> = Vec::new();
+        let mut args = base.iter().chain(extra).copied().peekable();
+        while let Some(arg) = args.next() {
+            let (flag, value) = match arg.split_once('=') {
+                Some((flag, value)) => (flag, Some(value.to_owned())),
+                None if args.peek().is_some_and(|next| !next.starts_with("--")) => {
+                    (arg, args.next().map(str::to_owned))
+                }
+                None => (arg, None),
+            };
+            assert!(flag.starts_with("--"), "not a flag: {flag}");
+            flags.retain(|(f, _)| f != flag);
+            flags.push((flag.to_owned(), value));
+        }
+        let argv = ["postcache", "serve"].into_iter().map(str::to_owned).chain(
+            flags
+                .into_iter()
+                .flat_map(|(flag, value)| std::iter::once(flag).chain(value)),
+        );
+        match Cli::try_parse_from(argv)
+            .expect("valid test settings")
+            .command
+        {
+            Command::Serve(args) => *args,
+            _ => unreachable!("serve was asked for"),
+        }
+    }
+
+    /// Starts an instance in this process, with `extra` flags.
+    pub async fn spawn(&self, extra: &[&str]) -> TestApp {
+        TestApp::start(
+            Application::build(self.serve_args(extra))
+                .await
+                .expect("failed to build the app"),
+        )
+    }
+
+    /// As [`TestEnv::spawn`], with observation points in the read path.
+    pub async fn spawn_with_hooks(&self, extra: &[&str], hooks: Hooks) -> TestApp {
+        TestApp::start(
+            Application::build_with_hooks(self.serve_args(extra), hooks)
+                .await
+                .expect("failed to build the app"),
+        )
+    }
+
+    /// Starts `postcache serve` as a child process of this world, with
+    /// `extra` environment variables (which override the world's).
+    pub async fn start_process(&self, extra: &[(&str, String)]) -> ServiceProcess {
+        let mut vars = vec![
+            ("DATABASE_URL", self.db_url.clone()),
+            ("REDIS_URL", self.redis_url.clone()),
+            ("KEY_PREFIX", self.prefix.clone()),
+            ("NO_MIGRATE", "true".to_owned()),
+        ];
+        vars.retain(|(name, _)| extra.iter().all(|(n, _)| n != name));
+        vars.extend(extra.iter().cloned());
+        ServiceProcess::start(&vars).await
+    }
+
+    /// Waits until `n` reads are in progress over `apps` and a load is
+    /// blocked (held back by a [`TableLock`]): the stampede is assembled.
+    pub async fn until_held(&self, apps: &[TestApp], n: usize) {
+        wait_until(
+            "requests to arrive and the leader to block",
+            A_WHILE,
+            async || in_progress(apps) >= n && blocked_loads(self).await >= 1,
+        )
+        .await;
+    }
+
+    /// Reads of the posts table counted by PostgreSQL itself (sequential
+    /// plus index scans; `posts_data` once [`TestEnv::slow_loads`] made
+    /// `posts` a view). Counts are exact only once the backends that did the reads
+    /// have flushed their statistics, which they do when they exit: call this
+    /// after the instances are stopped (their pools closed).
+    pub async fn post_reads(&self) -> i64 {
+        let mut conn = self.after_service_backends_exit().await;
+        let mut last = -1;
+        wait_until("the statistics to settle", A_WHILE, async || {
+            if last >= 0 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let reads: i64 = sqlx::query_scalar(
+                "select coalesce(sum(coalesce(seq_scan, 0) + coalesce(idx_scan, 0)), 0)::bigint
+                 from pg_stat_user_tables where relname in ('posts', 'posts_data')",
+            )
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+            std::mem::replace(&mut last, reads) == reads
+        })
+        .await;
+        last
+    }
+
+    /// A connection to the test database, once every backend of the service
+    /// has exited (and so flushed its statistics).
+    pub async fn after_service_backends_exit(&self) -> PgConnection {
+        let mut conn = PgConnection::connect(&self.db_url).await.unwrap();
+        wait_until("the service's backends to exit", A_WHILE, async || {
+            let others: i64 = sqlx::query_scalar(
+                "select count(*) from pg_stat_activity
+                 where datname = current_database() and pid <> pg_backend_pid()
+                   and backend_type = 'client backend'
+                   and application_name = 'postcache'",
+            )
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+            others == 0
+        })
+        .await;
+        conn
+    }
+
+    /// Transactions rolled back in this database, counted by PostgreSQL (a
+    /// failed load is one). Exact once the service's backends exited: call
+    /// after the instances are stopped or their connections closed (see
+    /// [`TestApp::stop_pool_connections`]).
+    pub async fn rollbacks(&self) -> i64 {
+        let mut conn = self.after_service_backends_exit().await;
+        sqlx::query_scalar(
+            "select xact_rollback::bigint from pg_stat_database where datname = current_database()",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+    }
+
+    /// Makes every load of a post take `by` longer: `posts` becomes a view
+    /// over the table (renamed `posts_data`) that sleeps per row.
+    pub async fn slow_loads(&self, by: Duration) {
+        for sql in [
+            "alter table posts rename to posts_data".to_owned(),
+            format!(
+                "create view posts as select p.* from posts_data p
+                 cross join lateral (select pg_sleep({})) slow",
+                by.as_secs_f64()
+            ),
+        ] {
+            sqlx::query(&sql).execute(&self.admin).await.unwrap();
+        }
+    }
+
+    /// Makes every load fail (the table is renamed away) or work again.
+    pub async fn break_posts(&self, broken: bool) {
+        let sql = if broken {
+            "alter table posts rename to posts_away"
+        } else {
+            "alter table posts_away rename to posts"
+        };
+        sqlx::query(sql).execute(&self.admin).await.unwrap();
+    }
+
+    /// The stored entry of a post, decoded.
+    pub async fn stored(&self, id: i64) -> Option<Entry> {
+        let raw: Option<bytes::Bytes> = self.redis.get(self.keys.value(id)).await.unwrap();
+        raw.map(|raw| Entry::decode(raw).expect("a decodable entry"))
+    }
+
+    /// PTTL of a key, in milliseconds (-2 absent, -1 no expiry).
+    pub async fn pttl(&self, key: &str) -> i64 {
+        self.redis.pttl(key).await.unwrap()
+    }
+
+    /// Sets `key` to `value` for `ttl`, from outside the service.
+    pub async fn set(&self, key: &str, value: impl Into<Value> + Send, ttl: Duration) {
+        let px = fred::types::Expiration::PX(ttl.as_millis() as i64);
+        let _: () = self
+            .redis
+            .set(key, value.into(), Some(px), None, false)
+            .await
+            .unwrap();
+    }
+
+    /// Subscribers of a channel on the server: PUBSUB NUMSUB, or on a
+    /// cluster PUBSUB SHARDNUMSUB summed over every primary.
+    pub async fn numsub(&self, channel: &str) -> i64 {
+        let count = |reply: Vec<Value>| reply.get(1).and_then(Value::as_i64).unwrap_or(0);
+        if !self.redis.is_clustered() {
+            return count(self.redis.pubsub_numsub(channel).await.unwrap());
+        }
+        let mut total = 0;
+        let state = self.redis.cached_cluster_state().expect("cluster state");
+        for server in state.unique_primary_nodes() {
+            let node = self.redis.with_cluster_node(&server);
+            total += count(node.pubsub_shardnumsub(channel).await.unwrap());
+            total += count(node.pubsub_numsub(channel).await.unwrap());
+        }
+        total
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        // Drop the database from a thread of its own: Drop cannot await, and
+        // the test's runtime may be shutting down.
+        let url = server_url();
+        let name = self.db_name.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(mut conn) = PgConnection::connect(&format!("{url}/postgres")).await {
+                    let _ =
+                        sqlx::query(&format!("drop database if exists \"{name}\" with (force)"))
+                            .execute(&mut conn)
+                            .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Holds `LOCK TABLE posts IN ACCESS EXCLUSIVE MODE` until released: every
+/// load of a post blocks meanwhile.
+pub struct TableLock {
+    tx: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+}
+
+impl TableLock {
+    pub async fn take(env: &TestEnv) -> Self {
+        let mut tx = env.admin.begin().await.unwrap();
+        sqlx::query("lock table posts in access exclusive mode")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        Self { tx: Some(tx) }
+    }
+
+    /// Runs `sql` in the transaction holding the lock (to change the table
+    /// under it); it takes effect at [`TableLock::commit`].
+    pub async fn execute(&mut self, sql: &str) {
+        let tx = self.tx.as_mut().expect("held until commit or release");
+        sqlx::query(sql).execute(&mut **tx).await.unwrap();
+    }
+
+    /// Commits what was done under the lock, releasing it.
+    pub async fn commit(mut self) -> Instant {
+        self.tx.take().unwrap().commit().await.unwrap();
+        Instant::now()
+    }
+
+    pub async fn release(mut self) -> Instant {
+        self.tx.take().unwrap().rollback().await.unwrap();
+        Instant::now()
+    }
+}
+
+/// Backends of the service currently blocked on a lock (a leader held back by [`TableLock`]).
+pub async fn blocked_loads(env: &TestEnv) -> i64 {
+    sqlx::query_scalar(
+        "select count(*) from pg_stat_activity
+         where datname = current_database() and wait_event_type = 'Lock'
+           and application_name = 'postcache'",
+    )
+    .fetch_one(&env.admin)
+    .await
+    .unwrap()
+}

@@ -1,0 +1,404 @@
+//! Faults caused for real, against in-process instances: Redis down at
+//! start, killed, paused and restarted; a slow leader; PostgreSQL cut,
+//! stalled or exhausted; overload and bad input.
+
+use std::time::{Duration, Instant};
+
+use fred::prelude::*;
+use futures::future::join_all;
+use postcache::{
+    cache::{Entry, Status},
+    testkit::{
+        fire, server_url, wait_until, RedisServer, TableLock, TcpProxy, TestApp, TestEnv, A_WHILE,
+        PATIENT,
+    },
+};
+
+async fn statuses(
+    app: &TestApp,
+    ids: impl IntoIterator<Item = i64>,
+) -> Vec<(u16, String, Duration)> {
+    let mut out = Vec::new();
+    for id in ids {
+        let started = Instant::now();
+        let r = app.get(&format!("/posts/{id}")).await;
+        out.push((r.status, r.x_cache.unwrap_or_default(), started.elapsed()));
+    }
+    out
+}
+
+/// Waits until `app` answers `path` from Redis again, not bypassing it.
+async fn resumed(app: &TestApp, path: &str) {
+    wait_until("caching to resume", Duration::from_secs(10), async || {
+        app.get(path).await.x_cache.as_deref() != Some("bypass")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_redis_down_at_start_requests_bypass_and_caching_resumes_when_it_returns() {
+    let mut redis = RedisServer::reserve();
+    let env = TestEnv::with_redis_lazy(20, redis.url()).await;
+    let app = env.spawn(&["--redis-timeout", "100ms"]).await;
+
+    let down = statuses(&app, 1..=10).await;
+    redis.restart().await;
+    resumed(&app, "/posts/11").await;
+    let again = statuses(&app, [12, 12]).await;
+
+    assert!(
+        down.iter().all(|(s, x, _)| *s == 200 && x == "bypass"),
+        "{down:?}"
+    );
+    // The breaker stops paying the timeout: after the first few, fast (two
+    // timed-out steps would cost at least 200 ms).
+    assert!(
+        down[5..]
+            .iter()
+            .all(|(_, _, t)| *t < Duration::from_millis(150)),
+        "{down:?}"
+    );
+    assert_eq!((again[0].1.as_str(), again[1].1.as_str()), ("miss", "hit"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn when_redis_dies_mid_traffic_requests_fail_open_and_pubsub_resumes_after_restart() {
+    let mut redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(20, redis.url()).await;
+    let flags = [PATIENT, &["--redis-timeout", "200ms"]].concat();
+    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
+    assert_eq!(
+        apps[0].get("/posts/1").await.x_cache.as_deref(),
+        Some("miss")
+    );
+
+    redis.kill();
+    let down = statuses(&apps[0], 1..=8).await;
+    redis.restart().await;
+    for app in &apps {
+        resumed(app, "/posts/20").await;
+    }
+    // The shared subscription works again: a cross-instance stampede coalesces.
+    let lock = TableLock::take(&env).await;
+    let requests = fire(&apps, "/posts/9", 40);
+    env.until_held(&apps, 40).await;
+    lock.release().await;
+    let stampede: Vec<(u16, String)> = join_all(requests)
+        .await
+        .into_iter()
+        .map(|r| {
+            let (reply, _) = r.unwrap();
+            (reply.status, reply.x_cache.unwrap_or_default())
+        })
+        .collect();
+
+    assert!(
+        down.iter()
+            .all(|(s, x, t)| *s == 200 && x == "bypass" && *t < Duration::from_secs(1)),
+        "{down:?}"
+    );
+    assert!(stampede.iter().all(|(s, _)| *s == 200));
+    let misses = stampede.iter().filter(|(_, x)| x == "miss").count();
+    assert_eq!(misses, 1, "{stampede:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_redis_costs_each_request_at_most_the_timeout_then_fails_open() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(20, redis.url()).await;
+    let app = env.spawn(&["--redis-timeout", "100ms"]).await;
+    assert_eq!(app.get("/posts/1").await.status, 200);
+
+    redis.cli(&["client", "pause", "3000", "all"]);
+    let paused = statuses(&app, 2..=12).await;
+
+    for (status, x_cache, took) in &paused {
+        assert_eq!((*status, x_cache.as_str()), (200, "bypass"));
+        // At most two Redis steps time out (the GET, then the lock) before the
+        // breaker opens, plus the load.
+        assert!(*took < Duration::from_millis(600), "{paused:?}");
+    }
+}
+
+/// PostgreSQL's port, from the test server's URL.
+fn postgres_port() -> u16 {
+    server_url().rsplit(':').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_but_live_leader_keeps_its_lock_and_is_not_duplicated() {
+    let env = TestEnv::new(10).await;
+    // The load is slow on the way, not in the statement (DB_STATEMENT_TIMEOUT
+    // stays below LOCK_TTL): a network that stalls for four lock lifetimes.
+    let proxy = TcpProxy::start(([127, 0, 0, 1], postgres_port()).into()).await;
+    let url = format!("postgres://postgres@{}/{}", proxy.addr, env.db_name);
+    let before = env.post_reads().await;
+    let flags = [
+        "--database-url",
+        &url,
+        "--lock-ttl",
+        "300ms",
+        "--db-statement-timeout",
+        "250ms",
+        "--db-acquire-timeout",
+        "5s",
+        "--wait-timeout",
+        "10s",
+        "--redis-timeout",
+        "2s",
+    ];
+    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
+    // Both pools hold a connection through the proxy before it stalls.
+    for app in &apps {
+        assert_eq!(app.get("/healthz").await.status, 200);
+        assert_eq!(app.get("/readyz").await.status, 200);
+    }
+    proxy.stall(true);
+    let requests = fire(&apps, "/posts/4", 20);
+    wait_until("the requests to arrive", A_WHILE, async || {
+        apps.iter().map(TestApp::reads_in_progress).sum::<usize>() >= 20
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    proxy.stall(false);
+    let statuses: Vec<u16> = join_all(requests)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().0.status)
+        .collect();
+    for app in apps {
+        app.stop().await;
+    }
+
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert_eq!(
+        env.post_reads().await - before,
+        1,
+        "the watchdog kept the lock: one load"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_statement_timeout_ends_a_load_that_would_run_for_ever() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&["--db-statement-timeout", "300ms", "--failure-ttl", "0s"])
+        .await;
+    let lock = TableLock::take(&env).await;
+
+    let started = Instant::now();
+    let reply = app.get("/posts/5").await;
+    let took = started.elapsed();
+    lock.release().await;
+
+    assert_eq!(reply.status, 503);
+    assert!(!reply.error().is_empty());
+    assert!(took < Duration::from_millis(1_500), "{took:?}");
+    assert_eq!(app.get("/posts/5").await.status, 200, "recovered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_postgres_cut_requests_get_503_fast_and_recover_without_a_restart() {
+    let env = TestEnv::new(10).await;
+    let proxy = TcpProxy::start(([127, 0, 0, 1], postgres_port()).into()).await;
+    let url = format!("postgres://postgres@{}/{}", proxy.addr, env.db_name);
+    let app = env
+        .spawn(&[
+            "--database-url",
+            &url,
+            "--db-acquire-timeout",
+            "300ms",
+            "--failure-ttl",
+            "0s",
+        ])
+        .await;
+    assert_eq!(app.get("/posts/1").await.status, 200);
+
+    proxy.cut();
+    let down = statuses(&app, 2..=6).await;
+    proxy.restore();
+    wait_until("a recovery", Duration::from_secs(10), async || {
+        app.get("/posts/7").await.status == 200
+    })
+    .await;
+
+    for (status, _, took) in &down {
+        assert_eq!(*status, 503, "{down:?}");
+        assert!(*took < Duration::from_millis(1_500), "{down:?}");
+    }
+    let ready = app.get("/readyz").await;
+    assert_eq!(ready.json()["postgres"], "up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exhausted_pool_answers_503_after_the_acquire_timeout() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&[
+            "--db-max-connections",
+            "1",
+            "--db-acquire-timeout",
+            "200ms",
+            "--failure-ttl",
+            "0s",
+            "--db-statement-timeout",
+            "5s",
+            "--lock-ttl",
+            "10s",
+        ])
+        .await;
+    let lock = TableLock::take(&env).await;
+    let holder = app.http.spawn_get("/posts/1");
+    env.until_held(std::slice::from_ref(&app), 1).await;
+
+    let others = statuses(&app, 2..=4).await;
+    lock.release().await;
+
+    assert_eq!(holder.await.unwrap().0.status, 200);
+    for (status, _, took) in &others {
+        assert_eq!(*status, 503);
+        assert!(*took < Duration::from_millis(800), "{others:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn past_the_concurrency_limit_requests_get_a_fast_503() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&[PATIENT, &["--max-in-flight", "10"]].concat())
+        .await;
+    let lock = TableLock::take(&env).await;
+    let held = fire(std::slice::from_ref(&app), "/posts/8", 10);
+    env.until_held(std::slice::from_ref(&app), 10).await;
+
+    let started = Instant::now();
+    let shed = join_all((0..20).map(|_| app.get("/posts/8"))).await;
+    let took = started.elapsed();
+    lock.release().await;
+
+    assert!(shed
+        .iter()
+        .all(|r| r.status == 503 && !r.error().is_empty()));
+    assert!(took < Duration::from_millis(500), "{took:?}");
+    assert!(join_all(held)
+        .await
+        .into_iter()
+        .all(|r| r.unwrap().0.status == 200));
+}
+
+/// Sends a raw HTTP/1.1 request and returns the status code (0 if the
+/// server closed the connection without one); fails the test if no answer
+/// comes within 10 s.
+async fn raw_status(app: &TestApp, request: String) -> u16 {
+    tokio::time::timeout(Duration::from_secs(10), send_raw(app, request))
+        .await
+        .expect("an answer or a closed connection")
+}
+
+async fn send_raw(app: &TestApp, request: String) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(app.http.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    // The server may answer before reading everything: ignore write errors.
+    let _ = stream.write_all(request.as_bytes()).await;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(2).any(|w| w == b"\r\n") {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&head)
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn oversized_paths_and_headers_get_a_4xx() {
+    let env = TestEnv::new(1).await;
+    let app = env.spawn(&[]).await;
+
+    let long_path = raw_status(
+        &app,
+        format!(
+            "GET /posts/{} HTTP/1.1\r\nhost: x\r\n\r\n",
+            "9".repeat(100_000)
+        ),
+    )
+    .await;
+    let long_header = raw_status(
+        &app,
+        format!(
+            "GET /posts/1 HTTP/1.1\r\nhost: x\r\nx-filler: {}\r\n\r\n",
+            "a".repeat(1_000_000)
+        ),
+    )
+    .await;
+    let many_headers = raw_status(
+        &app,
+        format!(
+            "GET /posts/1 HTTP/1.1\r\nhost: x\r\n{}\r\n",
+            "x-h: 1\r\n".repeat(500)
+        ),
+    )
+    .await;
+
+    for status in [long_path, long_header, many_headers] {
+        assert!((400..500).contains(&status), "got {status}");
+    }
+    assert_eq!(app.get("/posts/1").await.status, 200, "still serving");
+}
+
+#[tokio::test]
+async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
+    let env = TestEnv::new(10).await;
+    env.set(&env.keys.lock(2), "outsider", Duration::from_secs(10))
+        .await;
+    let app = env.spawn(&["--wait-timeout", "5s"]).await;
+    let pending = app.http.spawn_get("/posts/2");
+    let channel = env.keys.channel(2);
+    wait_until("the subscription", A_WHILE, async || {
+        env.numsub(&channel).await > 0
+    })
+    .await;
+    let counted = async || {
+        app.get("/metrics")
+            .await
+            .text()
+            .lines()
+            .find_map(|l| l.strip_prefix(r#"postcache_garbage_total{kind="message"} "#))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    let garbage_before = counted().await;
+
+    for garbage in [&b"garbage"[..], b"", &[1u8; 40]] {
+        let _: () = env.redis.publish(&channel, garbage).await.unwrap();
+    }
+    let entry = Entry::new(
+        Status::Found,
+        br#"{"id":2}"#,
+        Duration::from_secs(60),
+        Duration::ZERO,
+    );
+    let _: () = env
+        .redis
+        .publish(&channel, entry.raw().clone())
+        .await
+        .unwrap();
+    let (reply, _) = pending.await.unwrap();
+
+    assert_eq!(
+        (reply.status, reply.x_cache.as_deref()),
+        (200, Some("coalesced"))
+    );
+    assert_eq!(&reply.body[..], br#"{"id":2}"#);
+    // Counted (the recorder is shared by this binary's tests: at least ours).
+    assert!(
+        counted().await - garbage_before >= 3.0,
+        "garbage not counted"
+    );
+}

@@ -1,0 +1,13 @@
+//! The integration tests, in one binary: each module drives the real service
+//! against the real PostgreSQL and Redis, each test in a world of its own
+//! (`postcache::testkit`). The metrics test has a binary of its own: it
+//! counts exact deltas of the process-wide recorder.
+
+mod api;
+mod cluster;
+mod faults;
+mod freshness;
+mod harness;
+mod processes;
+mod scenarios;
+mod single_flight;

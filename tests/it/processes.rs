@@ -1,0 +1,293 @@
+//! `postcache serve` as a process of its own: leaders killed or stopped
+//! mid-load, secrets, TLS to both backends, JSON logs, shutdown.
+
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use postcache::testkit::{
+    available, blocked_loads, fire, free_port, wait_until, RedisServer, Reply, ServiceProcess,
+    TableLock, TestApp, TestEnv, A_WHILE,
+};
+
+/// A leader in a process of its own, held inside its load of post `id` by a
+/// table lock, and `n` requests waiting for it on an in-process instance.
+struct HeldLeader {
+    leader: ServiceProcess,
+    waiter: TestApp,
+    lock: TableLock,
+    leader_request: tokio::task::JoinHandle<Result<Reply, reqwest::Error>>,
+    waiting: Vec<tokio::task::JoinHandle<(Reply, Instant)>>,
+}
+
+async fn held_leader(
+    env: &TestEnv,
+    id: i64,
+    lock_ttl: &str,
+    statement_timeout: &str,
+    n: usize,
+) -> HeldLeader {
+    let leader = env
+        .start_process(&[
+            ("LOCK_TTL", lock_ttl.into()),
+            ("DB_STATEMENT_TIMEOUT", statement_timeout.into()),
+        ])
+        .await;
+    let waiter = env
+        .spawn(&[
+            "--wait-timeout",
+            "15s",
+            "--lock-ttl",
+            lock_ttl,
+            "--db-statement-timeout",
+            statement_timeout,
+        ])
+        .await;
+    let lock = TableLock::take(env).await;
+    let leader_request = tokio::spawn({
+        let (http, path) = (leader.http.clone(), format!("/posts/{id}"));
+        async move { http.send(reqwest::Method::GET, &path, &[]).await }
+    });
+    wait_until("the leader to block", A_WHILE, async || {
+        blocked_loads(env).await >= 1
+    })
+    .await;
+    let waiting = fire(std::slice::from_ref(&waiter), &format!("/posts/{id}"), n);
+    env.until_held(std::slice::from_ref(&waiter), n).await;
+    HeldLeader {
+        leader,
+        waiter,
+        lock,
+        leader_request,
+        waiting,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_leader_is_replaced_after_its_lock_expires_with_exactly_one_more_load() {
+    let env = TestEnv::new(10).await;
+    let before = env.post_reads().await;
+    let HeldLeader {
+        leader,
+        waiter,
+        lock,
+        leader_request,
+        waiting,
+    } = held_leader(&env, 3, "1s", "900ms", 20).await;
+
+    leader.signal("KILL");
+    let killed = Instant::now();
+    // The dead leader's query is cancelled by PostgreSQL (the client is gone).
+    wait_until(
+        "the dead leader's query to end",
+        Duration::from_secs(10),
+        async || blocked_loads(&env).await == 0,
+    )
+    .await;
+    lock.release().await;
+    let answered: Vec<_> = join_all(waiting)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        leader_request.await.unwrap().is_err(),
+        "the killed leader answered"
+    );
+    waiter.stop().await;
+
+    assert!(answered.iter().all(|(r, _)| r.status == 200));
+    let slowest = answered.iter().map(|(_, at)| *at - killed).max().unwrap();
+    // LOCK_TTL (1 s) + one load + margin; the cancellation wait is inside it.
+    assert!(
+        slowest < Duration::from_millis(3_500),
+        "answered {slowest:?} after the kill"
+    );
+    assert_eq!(env.post_reads().await - before, 1, "exactly one more load");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_lets_a_leader_finish_and_publish_so_remote_waiters_answer_promptly() {
+    let env = TestEnv::new(10).await;
+    let HeldLeader {
+        mut leader,
+        waiter: _waiter,
+        lock,
+        leader_request,
+        waiting,
+    } = held_leader(&env, 6, "20s", "10s", 10).await;
+
+    leader.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = lock.release().await;
+    let answered = join_all(waiting).await;
+    let took = released.elapsed();
+
+    assert_eq!(
+        leader_request.await.unwrap().unwrap().status,
+        200,
+        "the in-flight request finished"
+    );
+    assert!(answered.iter().all(|r| r.as_ref().unwrap().0.status == 200));
+    assert!(
+        took < Duration::from_secs(2),
+        "waiters answered {took:?} after the release"
+    );
+    assert!(
+        leader.exits_within(Duration::from_secs(10)).await,
+        "the leader did not exit"
+    );
+    assert_eq!(env.pttl(&env.keys.lock(6)).await, -2, "no lock left behind");
+}
+
+#[tokio::test]
+async fn passwords_in_the_urls_never_reach_logs_or_responses() {
+    let closed = free_port();
+    let secret_db = "pg-Secret-4711";
+    let secret_redis = "redis-Secret-0815";
+    let service = ServiceProcess::start(&[
+        (
+            "DATABASE_URL",
+            format!("postgres://postgres:{secret_db}@127.0.0.1:{closed}/x"),
+        ),
+        (
+            "REDIS_URL",
+            format!("redis://:{secret_redis}@127.0.0.1:{closed}"),
+        ),
+        ("NO_MIGRATE", "true".into()),
+        ("REDIS_TIMEOUT", "100ms".into()),
+        ("DB_ACQUIRE_TIMEOUT", "200ms".into()),
+        ("RUST_LOG", "debug".into()),
+    ])
+    .await;
+    let mut bodies = String::new();
+    for path in ["/posts/1", "/posts/2", "/readyz", "/metrics"] {
+        bodies.push_str(&service.http.get(path).await.text());
+    }
+    let migrate = std::process::Command::new(env!("CARGO_BIN_EXE_postcache"))
+        .arg("migrate")
+        .env(
+            "DATABASE_URL",
+            format!("postgres://postgres:{secret_db}@127.0.0.1:{closed}/x"),
+        )
+        .output()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let logs = service.logs()
+        + &String::from_utf8_lossy(&migrate.stderr)
+        + &String::from_utf8_lossy(&migrate.stdout);
+
+    assert!(!migrate.status.success());
+    assert!(
+        logs.contains("WARN") || logs.contains("ERROR"),
+        "the failures were logged: {logs}"
+    );
+    for secret in [secret_db, secret_redis] {
+        assert!(!logs.contains(secret), "secret in logs:\n{logs}");
+        assert!(!bodies.contains(secret), "secret in a response");
+    }
+}
+
+#[tokio::test]
+async fn postgres_over_tls_with_sslmode_require() {
+    let env = TestEnv::new(3).await;
+    let ssl: String = sqlx::query_scalar("show ssl")
+        .fetch_one(&env.admin)
+        .await
+        .unwrap();
+    if !available("PostgreSQL with ssl on", ssl == "on") {
+        return;
+    }
+    let url = format!("{}?sslmode=require", env.db_url);
+    let app = env.spawn(&["--database-url", &url]).await;
+
+    assert_eq!(app.get("/posts/2").await.status, 200);
+    let on_tls: i64 = sqlx::query_scalar(
+        "select count(*) from pg_stat_ssl s join pg_stat_activity a using (pid)
+         where s.ssl and a.application_name = 'postcache' and a.datname = current_database()",
+    )
+    .fetch_one(&env.admin)
+    .await
+    .unwrap();
+    assert!(on_tls >= 1, "the service's connection is not encrypted");
+}
+
+#[tokio::test]
+async fn redis_over_tls_with_a_rediss_url() {
+    let redis = RedisServer::start_tls().await;
+    if !available("openssl", redis.is_some()) {
+        return;
+    }
+    let redis = redis.expect("available");
+    let env = TestEnv::new(3).await;
+    let service = env
+        .start_process(&[
+            ("REDIS_URL", redis.url()),
+            // The throwaway CA, trusted through the standard variable.
+            ("SSL_CERT_FILE", redis.ca().to_string_lossy().into_owned()),
+        ])
+        .await;
+
+    let ready = service.http.get("/readyz").await;
+    let first = service.http.get("/posts/2").await;
+    let second = service.http.get("/posts/2").await;
+
+    assert_eq!(ready.json()["redis"], "up", "{}", ready.text());
+    assert_eq!(first.x_cache.as_deref(), Some("miss"));
+    assert_eq!(second.x_cache.as_deref(), Some("hit"), "cached over TLS");
+}
+
+#[tokio::test]
+async fn json_logs_carry_the_request_span_with_its_id_and_outcome() {
+    let env = TestEnv::new(3).await;
+    let service = env
+        .start_process(&[
+            ("LOG_FORMAT", "json".into()),
+            ("RUST_LOG", "postcache=debug".into()),
+        ])
+        .await;
+    assert_eq!(service.http.get("/posts/2").await.status, 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let logs = service.logs();
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    // The leader's load is logged at debug inside the request's span.
+    let load = lines
+        .iter()
+        .find(|l| l["message"] == "loaded")
+        .unwrap_or_else(|| panic!("no load logged:\n{logs}"));
+    let spans = load["spans"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no span list: {load}"));
+    assert!(
+        spans
+            .iter()
+            .any(|s| s["name"] == "get_post" && s["id"] == 2),
+        "the request span with its id: {load}"
+    );
+    assert!(load["took_ms"].is_number(), "{load}");
+}
+
+#[tokio::test]
+async fn sigterm_ends_the_process_even_while_redis_is_down() {
+    let env = TestEnv::new(3).await;
+    let mut service = env
+        .start_process(&[
+            ("REDIS_URL", format!("redis://127.0.0.1:{}", free_port())),
+            ("REDIS_TIMEOUT", "100ms".into()),
+        ])
+        .await;
+    let reply = service.http.get("/posts/1").await;
+    assert_eq!(reply.x_cache.as_deref(), Some("bypass"));
+
+    service.signal("TERM");
+
+    assert!(
+        service.exits_within(Duration::from_secs(8)).await,
+        "the process did not exit: {}",
+        service.logs()
+    );
+}
