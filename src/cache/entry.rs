@@ -36,8 +36,11 @@ pub const FLAGS_AT: usize = 2;
 pub const STATUS_FOUND: u8 = 0;
 pub const STATUS_NOT_FOUND: u8 = 1;
 pub const STATUS_FAILED: u8 = 2;
+/// Offset of stored_at and of fresh_until (u64, big endian).
+pub const STORED_AT: usize = 3;
+pub const FRESH_UNTIL_AT: usize = 11;
 /// Bytes before the body.
-const HEADER_LEN: usize = 31;
+pub const HEADER_LEN: usize = 31;
 /// Flag: a stale copy stored after a failed load, served until it expires
 /// (the backoff), without triggering refreshes.
 pub const FLAG_BACKOFF: u8 = 1;
@@ -155,8 +158,8 @@ impl Entry {
         Ok(Self {
             status,
             flags: raw[FLAGS_AT],
-            stored_at: u64_at(3),
-            fresh_until: u64_at(11),
+            stored_at: u64_at(STORED_AT),
+            fresh_until: u64_at(FRESH_UNTIL_AT),
             load_micros: u32::from_be_bytes(load),
             etag: u64_at(23),
             raw,

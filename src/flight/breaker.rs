@@ -5,6 +5,11 @@
 //! timeouts open it. Open: commands are refused without touching Redis for
 //! BREAKER_COOLDOWN. Half-open: one command (the probe) passes; its success
 //! closes the breaker, its failure opens it for another cooldown.
+//!
+//! The probe is a [`Permit`]: a command's future may be dropped at any await
+//! (its client went away), and a probe that ends without a verdict must not
+//! keep every later command from probing. Dropping an unsettled probe permit
+//! gives the probe back.
 
 use std::{
     sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
@@ -62,20 +67,27 @@ impl Breaker {
         }
     }
 
-    /// Whether a command may go to Redis now.
-    pub fn allow(&self) -> bool {
-        match self.state() {
-            State::Closed => true,
-            State::Open => false,
+    /// Leave for one command to go to Redis now, `None` when refused.
+    pub fn permit(&self) -> Option<Permit<'_>> {
+        let probe = match self.state() {
+            State::Closed => false,
+            State::Open => return None,
             // Exactly one caller gets to probe.
-            State::HalfOpen => self
-                .probing
-                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok(),
-        }
+            State::HalfOpen => {
+                self.probing
+                    .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                    .ok()?;
+                metrics::breaker_state(State::HalfOpen as u8 as f64);
+                true
+            }
+        };
+        Some(Permit {
+            breaker: self,
+            probe,
+        })
     }
 
-    pub fn record_success(&self) {
+    fn record_success(&self) {
         self.failures.store(0, Ordering::Relaxed);
         if self.open_until.swap(0, Ordering::AcqRel) != 0 {
             tracing::info!("redis answers again; circuit breaker closed");
@@ -84,7 +96,7 @@ impl Breaker {
         self.probing.store(false, Ordering::Release);
     }
 
-    pub fn record_failure(&self) {
+    fn record_failure(&self) {
         let failures = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
         let probe_failed = self.probing.swap(false, Ordering::AcqRel);
         if probe_failed || failures >= BREAKER_FAILURES {
@@ -100,6 +112,36 @@ impl Breaker {
     }
 }
 
+/// Leave for one command; tell the breaker how it went with
+/// [`Permit::succeeded`] or [`Permit::failed`].
+pub struct Permit<'a> {
+    breaker: &'a Breaker,
+    /// This command is the half-open probe.
+    probe: bool,
+}
+
+impl Permit<'_> {
+    pub fn succeeded(mut self) {
+        self.probe = false;
+        self.breaker.record_success();
+    }
+
+    pub fn failed(mut self) {
+        self.probe = false;
+        self.breaker.record_failure();
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if self.probe {
+            // Dropped before its verdict (the command's future was
+            // cancelled): the next command probes instead.
+            self.breaker.probing.store(false, Ordering::Release);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,25 +150,38 @@ mod tests {
     fn it_opens_after_consecutive_failures_and_probes_once_after_the_cooldown() {
         let b = Breaker::default();
         for _ in 0..BREAKER_FAILURES - 1 {
-            b.record_failure();
-            assert!(b.allow(), "still closed");
+            b.permit().expect("still closed").failed();
         }
-        b.record_failure();
+        b.permit().expect("still closed").failed();
         assert_eq!(b.state(), State::Open);
-        assert!(!b.allow());
+        assert!(b.permit().is_none());
 
         std::thread::sleep(BREAKER_COOLDOWN + Duration::from_millis(20));
         assert_eq!(b.state(), State::HalfOpen);
-        assert!(b.allow(), "one probe");
-        assert!(!b.allow(), "only one probe");
-        b.record_failure();
+        let probe = b.permit().expect("one probe");
+        assert!(b.permit().is_none(), "only one probe");
+        probe.failed();
         assert_eq!(b.state(), State::Open, "a failed probe reopens");
 
         std::thread::sleep(BREAKER_COOLDOWN + Duration::from_millis(20));
-        assert!(b.allow());
-        b.record_success();
+        b.permit().expect("a probe").succeeded();
         assert_eq!(b.state(), State::Closed);
-        assert!(b.allow() && b.allow());
+        assert!(b.permit().is_some() && b.permit().is_some());
+    }
+
+    #[test]
+    fn a_probe_dropped_without_a_verdict_lets_the_next_command_probe() {
+        let b = Breaker::default();
+        for _ in 0..BREAKER_FAILURES {
+            b.permit().expect("closed").failed();
+        }
+        std::thread::sleep(BREAKER_COOLDOWN + Duration::from_millis(20));
+
+        drop(b.permit().expect("the probe"));
+
+        let next = b.permit().expect("the probe was given back");
+        next.succeeded();
+        assert_eq!(b.state(), State::Closed);
     }
 
     #[test]

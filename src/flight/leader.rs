@@ -82,7 +82,7 @@ impl<S: Source> ReadPath<S> {
                 }
                 if entry.status() == Status::Failed && finished.published.status() == Status::Found
                 {
-                    tracing::warn!(%key, "load failed; serving the fail-safe copy");
+                    tracing::warn!(%key, "load failed; serving the stored copy");
                 }
                 Answer::new(finished.published, Served::Miss)
             }

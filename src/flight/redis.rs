@@ -12,19 +12,26 @@ use fred::{
 
 use super::{breaker::Breaker, freshness::StoreFor};
 use crate::{
-    cache::{entry, Entry, ItemKeys},
+    cache::{entry, now_millis, Entry, ItemKeys},
     telemetry::metrics,
 };
 
-/// The leader's finish, in one round trip.
+/// The leader's finish, in one round trip, fenced by the lock.
+///
+/// Fencing: the finish writes only while the lock still holds this leader's
+/// token, or when the lock is gone and nothing newer is stored. A leader
+/// whose lock expired or was lost and taken over must not store its older
+/// row (or its failure) over the new leader's value: it publishes what is
+/// stored instead (or nothing, when nothing is).
 ///
 /// On success: store the entry (unless its TTL is 0) and, for a found entry,
-/// its fail-safe copy; on failure: store as backoff marker, for FAILURE_TTL,
-/// the last good copy (the value itself if it is a found entry, else the
-/// fail-safe copy) with its BACKOFF flag set, or else the failed entry.
-/// Then publish what was stored on the ready channel, and release the lock
-/// only if it still holds this leader's token: a leader whose lock expired and
-/// was taken over must not delete the new leader's lock.
+/// its fail-safe copy; a not-found entry deletes the fail-safe copy, so that
+/// a deleted item never comes back from it. On failure: an entry still
+/// fresh is left as it is (a failed refresh never degrades it); otherwise
+/// store as the backoff, for FAILURE_TTL, the last good copy (the value if it
+/// is a found entry, else the fail-safe copy, unless a not-found is stored)
+/// with its BACKOFF flag set, or else the failure marker. Then publish what
+/// is stored on the ready channel, and release the lock if it is ours.
 ///
 /// Which TTLs is decided in Rust (`freshness::store_for`); which copy, here,
 /// because only Redis knows what is stored at the moment of the finish.
@@ -33,36 +40,69 @@ use crate::{
 /// ARGV[1] entry, ARGV[2] value TTL ms (0: do not store), ARGV[3] token,
 /// ARGV[4] channel, ARGV[5] fail-safe copy TTL ms (0: none), ARGV[6] FAILURE_TTL ms,
 /// ARGV[7] the publish command: PUBLISH, or SPUBLISH on a Redis Cluster (the
-/// channel shares the keys' hash tag, so it lives on the same shard).
-/// Returns {released, published payload}.
+/// channel shares the keys' hash tag, so it lives on the same shard),
+/// ARGV[8] now, unix ms.
+/// Returns {released, payload}: what was published, or the entry itself.
 ///
 /// The `$…` placeholders are the envelope's layout, filled in from the
 /// constants of `cache/entry.rs` by [`finish_lua`] (Lua strings count from 1).
 const FINISH_LUA: &str = r#"
+local function valid(s)
+  return s and string.len(s) >= $HEADER and string.byte(s, $VERSION_AT) == $VERSION
+end
+local function status(s) return string.byte(s, $STATUS) end
+local function u64(s, at)
+  local n = 0
+  for i = at, at + 7 do n = n * 256 + string.byte(s, i) end
+  return n
+end
+local function backoff(s)
+  return string.sub(s, 1, $FLAGS - 1) .. string.char(bit.bor(string.byte(s, $FLAGS), $BACKOFF)) .. string.sub(s, $FLAGS + 1)
+end
+
 local entry = ARGV[1]
+local holder = redis.call('GET', KEYS[2])
+local ours = holder == ARGV[3]
+local current = redis.call('GET', KEYS[1])
+if not valid(current) then current = nil end
+local may_write = ours or (not holder and (not current or u64(current, $STORED_AT) <= u64(entry, $STORED_AT)))
 local payload = entry
-if string.byte(entry, $STATUS) == $FAILED then
-  local copy = redis.call('GET', KEYS[1])
-  if not copy or string.byte(copy, $STATUS) ~= $FOUND then
-    copy = redis.call('GET', KEYS[3])
-  end
-  if copy and string.byte(copy, $VERSION_AT) == $VERSION and string.byte(copy, $STATUS) == $FOUND then
-    payload = string.sub(copy, 1, $FLAGS - 1) .. string.char(bit.bor(string.byte(copy, $FLAGS), $BACKOFF)) .. string.sub(copy, $FLAGS + 1)
-  end
-  if tonumber(ARGV[6]) > 0 then
-    redis.call('SET', KEYS[1], payload, 'PX', ARGV[6])
+local publish = true
+if not may_write then
+  if current then payload = current else publish = false end
+elseif status(entry) == $FAILED then
+  if current and status(current) ~= $FAILED and u64(current, $FRESH_UNTIL) > tonumber(ARGV[8]) then
+    payload = current
+  else
+    local copy = nil
+    if current and status(current) == $FOUND then
+      copy = current
+    elseif not (current and status(current) == $NOT_FOUND) then
+      copy = redis.call('GET', KEYS[3])
+      if not (valid(copy) and status(copy) == $FOUND) then copy = nil end
+    end
+    if copy then payload = backoff(copy) end
+    if tonumber(ARGV[6]) > 0 then
+      redis.call('SET', KEYS[1], payload, 'PX', ARGV[6])
+    end
   end
 else
   if tonumber(ARGV[2]) > 0 then
     redis.call('SET', KEYS[1], entry, 'PX', ARGV[2])
   end
-  if tonumber(ARGV[5]) > 0 and string.byte(entry, $STATUS) == $FOUND then
-    redis.call('SET', KEYS[3], entry, 'PX', ARGV[5])
+  if status(entry) == $FOUND then
+    if tonumber(ARGV[5]) > 0 then
+      redis.call('SET', KEYS[3], entry, 'PX', ARGV[5])
+    end
+  else
+    redis.call('DEL', KEYS[3])
   end
 end
-redis.call(ARGV[7], ARGV[4], payload)
+if publish then
+  redis.call(ARGV[7], ARGV[4], payload)
+end
 local released = 0
-if redis.call('GET', KEYS[2]) == ARGV[3] then
+if ours then
   redis.call('DEL', KEYS[2])
   released = 1
 end
@@ -76,9 +116,13 @@ fn finish_lua() -> String {
     FINISH_LUA
         .replace("$VERSION_AT", &at(0))
         .replace("$VERSION", &entry::VERSION.to_string())
+        .replace("$HEADER", &entry::HEADER_LEN.to_string())
         .replace("$STATUS", &at(entry::STATUS_AT))
         .replace("$FLAGS", &at(entry::FLAGS_AT))
+        .replace("$STORED_AT", &at(entry::STORED_AT))
+        .replace("$FRESH_UNTIL", &at(entry::FRESH_UNTIL_AT))
         .replace("$FOUND", &entry::STATUS_FOUND.to_string())
+        .replace("$NOT_FOUND", &entry::STATUS_NOT_FOUND.to_string())
         .replace("$FAILED", &entry::STATUS_FAILED.to_string())
         .replace("$BACKOFF", &entry::FLAG_BACKOFF.to_string())
 }
@@ -153,10 +197,21 @@ fn ms(d: Duration) -> i64 {
     }
 }
 
-/// Whether a fred error says Redis is unreachable (as opposed to an error
-/// reply, which proves Redis is up).
+/// Whether a fred error says Redis cannot serve: unreachable, or an error
+/// reply that means "not now" (loading, a read-only replica, a master down,
+/// a busy script, a cluster down or mid-resharding). Other error replies
+/// prove Redis up.
 fn is_outage(e: &fred::error::Error) -> bool {
-    matches!(
+    /// Error reply prefixes of a Redis that is up but not serving.
+    const NOT_SERVING: [&str; 6] = [
+        "LOADING",
+        "READONLY",
+        "MASTERDOWN",
+        "BUSY",
+        "CLUSTERDOWN",
+        "TRYAGAIN",
+    ];
+    let unreachable = matches!(
         e.kind(),
         ErrorKind::IO
             | ErrorKind::Timeout
@@ -165,7 +220,9 @@ fn is_outage(e: &fred::error::Error) -> bool {
             | ErrorKind::Tls
             | ErrorKind::Routing
             | ErrorKind::Cluster
-    )
+    );
+    let details = e.details().trim_start();
+    unreachable || NOT_SERVING.iter().any(|p| details.starts_with(p))
 }
 
 impl RedisCommands {
@@ -183,6 +240,11 @@ impl RedisCommands {
             release: Script::from_lua(RELEASE_LUA),
             extend: Script::from_lua(EXTEND_LUA),
         }
+    }
+
+    /// Whether the circuit breaker lets commands through.
+    pub fn breaker_closed(&self) -> bool {
+        self.breaker.state() == super::breaker::State::Closed
     }
 
     /// Runs one command under the breaker and REDIS_TIMEOUT.
@@ -261,6 +323,7 @@ impl RedisCommands {
             Value::Integer(ms(store.fail_safe)),
             Value::Integer(ms(store.failure)),
             Value::from(if self.sharded { "SPUBLISH" } else { "PUBLISH" }),
+            Value::Integer(now_millis() as i64),
         ];
         let (released, payload): (i64, Bytes) = self
             .bounded(self.finish.evalsha_with_reload(
@@ -324,28 +387,28 @@ pub(crate) async fn guarded<T>(
     timeout: Duration,
     fut: impl Future<Output = Result<T, fred::error::Error>>,
 ) -> Result<T, RedisError> {
-    if !breaker.allow() {
+    let Some(permit) = breaker.permit() else {
         metrics::redis_error("circuit_open");
         return Err(RedisError::CircuitOpen);
-    }
+    };
     match tokio::time::timeout(timeout, fut).await {
         Ok(Ok(value)) => {
-            breaker.record_success();
+            permit.succeeded();
             Ok(value)
         }
         Ok(Err(e)) => {
             if is_outage(&e) {
-                breaker.record_failure();
+                permit.failed();
                 metrics::redis_error("connection");
             } else {
                 // An error reply: Redis is up.
-                breaker.record_success();
+                permit.succeeded();
                 metrics::redis_error("reply");
             }
             Err(e.into())
         }
         Err(_) => {
-            breaker.record_failure();
+            permit.failed();
             metrics::redis_error("timeout");
             Err(RedisError::Timeout(timeout))
         }
@@ -361,7 +424,7 @@ mod tests {
     fn the_finish_script_reads_the_envelope_layout_from_its_constants() {
         let lua = finish_lua();
         assert!(!lua.contains('$'), "{lua}");
-        let status_byte = format!("string.byte(entry, {})", entry::STATUS_AT + 1);
+        let status_byte = format!("string.byte(s, {})", entry::STATUS_AT + 1);
         assert!(lua.contains(&status_byte), "{lua}");
         assert!(lua.contains(&format!("== {}", entry::VERSION)));
     }

@@ -16,7 +16,10 @@ use rand::Rng;
 use tracing::Instrument;
 
 use super::{freshness::xfetch_fires, leader::lock_token, ReadPath, Source};
-use crate::{cache::Entry, telemetry::metrics};
+use crate::{
+    cache::{Entry, Status},
+    telemetry::metrics,
+};
 
 /// A key's place in the set of refreshes running in this process, left
 /// however the refresh ends (done, panicked, or dropped at shutdown).
@@ -53,7 +56,9 @@ impl<S: Source> ReadPath<S> {
     /// request starts the refresh, so that a hot key never expires.
     pub(super) fn maybe_refresh_early(self: &Arc<Self>, key: &S::Key, entry: &Entry, now: u64) {
         let beta = self.settings.early_refresh_beta;
-        if beta <= 0.0 {
+        // A not-found entry is not refreshed early: it expires after
+        // NEGATIVE_TTL, and a refresh could only turn it into a failure.
+        if beta <= 0.0 || entry.status() != Status::Found {
             return;
         }
         // (0, 1]: ln(0) would be −∞.

@@ -136,7 +136,8 @@ pub async fn healthz() -> Json<serde_json::Value> {
     Json(json!({ "status": "ok" }))
 }
 
-/// `GET /readyz`: PostgreSQL and Redis both answer.
+/// `GET /readyz`: PostgreSQL and Redis both answer (`"redis": "circuit_open"`
+/// while the breaker still bypasses a Redis that answers again).
 pub async fn readyz(State(state): State<AppState>) -> Response {
     let postgres = tokio::time::timeout(
         READINESS_TIMEOUT,
@@ -158,7 +159,12 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         Json(json!({
             "status": if status == StatusCode::OK { "ready" } else { "unavailable" },
             "postgres": word(postgres_up),
-            "redis": word(redis_up),
+            // Up but bypassed: the service fails open until a probe succeeds.
+            "redis": if redis_up && !state.read_path.redis().breaker_closed() {
+                "circuit_open"
+            } else {
+                word(redis_up)
+            },
         })),
     )
         .into_response()

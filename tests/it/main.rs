@@ -7,6 +7,7 @@ mod api;
 mod cluster;
 mod faults;
 mod freshness;
+mod guarantees;
 mod harness;
 mod processes;
 mod scenarios;

@@ -1,0 +1,277 @@
+//! Guarantees that must hold under faults: the breaker recovers whatever
+//! happens to its probe, a deleted post never comes back, a failed refresh
+//! never degrades a servable entry, and a stale leader never overwrites a
+//! newer value.
+
+use std::time::{Duration, Instant};
+
+use postcache::{
+    cache::{Entry, Status},
+    flight::{RedisCommands, StoreFor},
+    testkit::{wait_until, RedisServer, TestEnv, A_WHILE},
+};
+
+/// The breaker's cooldown (500 ms) and a margin.
+const PAST_THE_COOLDOWN: Duration = Duration::from_millis(600);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_probe_cancelled_by_its_client_does_not_keep_the_breaker_open() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(20, redis.url()).await;
+    let app = env.spawn(&["--redis-timeout", "250ms"]).await;
+    assert_eq!(app.get("/posts/1").await.x_cache.as_deref(), Some("miss"));
+
+    redis.cli(&["client", "pause", "2500", "all"]);
+    let paused = Instant::now();
+    for id in 2..=6 {
+        let reply = app.get(&format!("/posts/{id}")).await;
+        assert_eq!(
+            reply.x_cache.as_deref(),
+            Some("bypass"),
+            "the breaker opens"
+        );
+    }
+    // The next request after the cooldown is the half-open probe; its client
+    // gives up after 80 ms, so its future is dropped mid-command.
+    tokio::time::sleep(PAST_THE_COOLDOWN).await;
+    let cancelled = tokio::time::timeout(Duration::from_millis(80), app.get("/posts/7")).await;
+    assert!(cancelled.is_err(), "the probe returned within 80 ms");
+    tokio::time::sleep_until((paused + Duration::from_millis(2_600)).into()).await;
+
+    // Redis answers again; nothing has passed the breaker since.
+    let ready = app.get("/readyz").await;
+    assert_eq!(ready.json()["redis"], "circuit_open", "{}", ready.text());
+    wait_until("caching to resume", Duration::from_secs(5), async || {
+        app.get("/posts/8").await.x_cache.as_deref() != Some("bypass")
+    })
+    .await;
+    assert_eq!(app.get("/readyz").await.json()["redis"], "up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_busy_redis_opens_the_breaker_instead_of_counting_as_up() {
+    let redis = RedisServer::start().await;
+    redis.cli(&["config", "set", "lua-time-limit", "50"]);
+    let env = TestEnv::with_redis(10, redis.url()).await;
+    let app = env.spawn(&["--redis-timeout", "250ms"]).await;
+    assert_eq!(app.get("/posts/1").await.x_cache.as_deref(), Some("miss"));
+
+    // A script that never ends: past lua-time-limit, every other command
+    // gets a BUSY error reply at once.
+    let mut script = std::process::Command::new("redis-cli")
+        .args([
+            "-p",
+            &redis.port.to_string(),
+            "eval",
+            "while true do end",
+            "0",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until("Redis to answer BUSY", A_WHILE, async || {
+        redis.cli(&["ping"]).starts_with("BUSY")
+    })
+    .await;
+    for id in 2..=6 {
+        let reply = app.get(&format!("/posts/{id}")).await;
+        assert_eq!(
+            (reply.status, reply.x_cache.as_deref()),
+            (200, Some("bypass"))
+        );
+    }
+    redis.cli(&["script", "kill"]);
+    let ready = app.get("/readyz").await;
+    let _ = script.kill();
+    let _ = script.wait();
+
+    // Within the cooldown, Redis answers PING but the breaker is open.
+    assert_eq!(ready.json()["redis"], "circuit_open", "{}", ready.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_post_never_comes_back_from_the_fail_safe_copy() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&["--failure-ttl", "5s", "--max-stale", "1h"])
+        .await;
+    assert_eq!(app.get("/posts/3").await.x_cache.as_deref(), Some("miss"));
+    assert!(env.pttl(&env.keys.fail_safe(3)).await > 0, "a copy is kept");
+
+    sqlx::query("delete from posts where id = 3")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    let _: () = fred::prelude::KeysInterface::del(&env.redis, env.keys.value(3))
+        .await
+        .unwrap();
+    let gone = app.get("/posts/3").await;
+    assert_eq!((gone.status, gone.x_cache.as_deref()), (404, Some("miss")));
+    assert_eq!(
+        env.pttl(&env.keys.fail_safe(3)).await,
+        -2,
+        "the not-found deleted the copy"
+    );
+    let _: () = fred::prelude::KeysInterface::del(&env.redis, env.keys.value(3))
+        .await
+        .unwrap();
+    env.break_posts(true).await;
+    let failed = app.get("/posts/3").await;
+    env.break_posts(false).await;
+
+    assert_eq!(
+        failed.status,
+        503,
+        "not the deleted post: {}",
+        failed.text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_not_found_entry_is_never_refreshed_early() {
+    let env = TestEnv::new(1).await;
+    let before = env.post_reads().await;
+    let app = env
+        .spawn(&["--negative-ttl", "3s", "--early-refresh-beta", "1000000"])
+        .await;
+    assert_eq!(app.get("/posts/42").await.status, 404);
+    let stored = env.stored(42).await.expect("a not-found entry");
+
+    for _ in 0..30 {
+        assert_eq!(app.get("/posts/42").await.x_cache.as_deref(), Some("hit"));
+    }
+    app.stop().await;
+
+    assert_eq!(
+        env.stored(42).await,
+        Some(stored),
+        "the same entry, no reload"
+    );
+    assert_eq!(env.post_reads().await - before, 1, "one load: the miss");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_early_refresh_leaves_a_fresh_entry_as_it_is() {
+    let env = TestEnv::new(5).await;
+    // β so large that every hit refreshes: the refresh after the break fails.
+    let app = env
+        .spawn(&["--cache-ttl", "60s", "--early-refresh-beta", "1000000"])
+        .await;
+    assert_eq!(app.get("/posts/2").await.x_cache.as_deref(), Some("miss"));
+    let failed_loads = async || {
+        let metrics = app.get("/metrics").await.text();
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(r#"postcache_db_loads_total{result="failed"} "#))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    let failed_before = failed_loads().await;
+    env.break_posts(true).await;
+    let stored = env.stored(2).await.expect("stored");
+
+    assert_eq!(app.get("/posts/2").await.x_cache.as_deref(), Some("hit"));
+    wait_until("the refresh to fail", A_WHILE, async || {
+        failed_loads().await > failed_before
+    })
+    .await;
+    let after = app.get("/posts/2").await;
+    env.break_posts(false).await;
+
+    assert_eq!((after.status, after.x_cache.as_deref()), (200, Some("hit")));
+    assert!(
+        after.headers.get("warning").is_none(),
+        "not served as stale"
+    );
+    let kept = env.stored(2).await.expect("still stored");
+    assert_eq!(kept.stored_at(), stored.stored_at(), "left as it was");
+    assert!(!kept.is_backoff());
+}
+
+/// Two leaders of one key: the first's lock expired and the second took it.
+async fn two_leaders(env: &TestEnv) -> (RedisCommands, Entry, Entry) {
+    let commands = RedisCommands::new(env.redis.clone(), Duration::from_secs(1));
+    let lock = env.keys.lock(9);
+    assert!(commands
+        .try_lock(&lock, "old-leader", Duration::from_millis(50))
+        .await
+        .unwrap());
+    let older = Entry::new(
+        Status::Found,
+        br#"{"v":"old"}"#,
+        Duration::from_secs(60),
+        Duration::ZERO,
+    );
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    assert!(commands
+        .try_lock(&lock, "new-leader", Duration::from_secs(10))
+        .await
+        .unwrap());
+    let newer = Entry::new(
+        Status::Found,
+        br#"{"v":"new"}"#,
+        Duration::from_secs(60),
+        Duration::ZERO,
+    );
+    (commands, older, newer)
+}
+
+const STORE: StoreFor = StoreFor {
+    value: Duration::from_secs(60),
+    fail_safe: Duration::from_secs(120),
+    failure: Duration::from_secs(5),
+};
+
+#[tokio::test]
+async fn a_stale_leader_finishing_last_does_not_overwrite_the_newer_value() {
+    let env = TestEnv::new(0).await;
+    let (commands, older, newer) = two_leaders(&env).await;
+    let keys = env.keys.item(9);
+
+    commands
+        .finish(&keys, "new-leader", &newer, STORE)
+        .await
+        .unwrap();
+    let stale = commands
+        .finish(&keys, "old-leader", &older, STORE)
+        .await
+        .unwrap();
+    let failed = Entry::new(Status::Failed, b"", Duration::ZERO, Duration::ZERO);
+    let stale_failure = commands
+        .finish(&keys, "old-leader", &failed, STORE)
+        .await
+        .unwrap();
+
+    assert_eq!(env.stored(9).await, Some(newer.clone()));
+    assert_eq!(stale.published, newer, "it publishes what is stored");
+    assert_eq!(stale_failure.published, newer);
+    let copy: Option<bytes::Bytes> = fred::prelude::KeysInterface::get(&env.redis, &keys.fail_safe)
+        .await
+        .unwrap();
+    assert_eq!(
+        copy.as_ref(),
+        Some(newer.raw()),
+        "the copy is the newer one"
+    );
+}
+
+#[tokio::test]
+async fn a_stale_leader_finishing_first_does_not_store_over_the_new_leaders_load() {
+    let env = TestEnv::new(0).await;
+    let (commands, older, newer) = two_leaders(&env).await;
+    let keys = env.keys.item(9);
+
+    let stale = commands
+        .finish(&keys, "old-leader", &older, STORE)
+        .await
+        .unwrap();
+    let stored_meanwhile = env.stored(9).await;
+    commands
+        .finish(&keys, "new-leader", &newer, STORE)
+        .await
+        .unwrap();
+
+    assert!(!stale.released);
+    assert_eq!(stored_meanwhile, None, "the stale leader stored nothing");
+    assert_eq!(env.stored(9).await, Some(newer));
+    assert_eq!(env.pttl(&keys.lock).await, -2);
+}
