@@ -265,13 +265,18 @@ async fn a_stale_leader_finishing_first_does_not_store_over_the_new_leaders_load
         .await
         .unwrap();
     let stored_meanwhile = env.stored(9).await;
-    commands
+
+    let fresh = commands
         .finish(&keys, "new-leader", &newer, STORE)
         .await
         .unwrap();
 
-    assert!(!stale.released);
+    assert!(
+        !stale.released,
+        "the new leader's lock is not the stale one's"
+    );
     assert_eq!(stored_meanwhile, None, "the stale leader stored nothing");
+    assert!(fresh.released);
     assert_eq!(env.stored(9).await, Some(newer));
     assert_eq!(env.pttl(&keys.lock).await, -2);
 }

@@ -9,7 +9,7 @@ use fred::prelude::*;
 use futures::future::join_all;
 use postcache::{
     cache::{Entry, Status},
-    flight::{Hooks, RedisCommands, StoreFor},
+    flight::Hooks,
     testkit::{fire, wait_until, TableLock, TestEnv, PATIENT},
 };
 
@@ -165,52 +165,6 @@ async fn a_failed_load_gives_503_to_every_waiter_at_once_and_recovers_after_repa
     env.break_posts(false).await;
     let after = apps[0].get("/posts/8").await;
     assert_eq!(after.status, 200);
-}
-
-#[tokio::test]
-async fn a_leader_whose_lock_expired_does_not_delete_the_new_leaders_lock() {
-    let env = TestEnv::new(0).await;
-    let commands = RedisCommands::new(env.redis.clone(), Duration::from_secs(1));
-    let keys = env.keys.item(9);
-    let lock = keys.lock.clone();
-    let store = StoreFor {
-        value: Duration::from_secs(60),
-        fail_safe: Duration::ZERO,
-        failure: Duration::ZERO,
-    };
-    assert!(commands
-        .try_lock(&lock, "old-leader", Duration::from_millis(50))
-        .await
-        .unwrap());
-    tokio::time::sleep(Duration::from_millis(80)).await;
-    assert!(commands
-        .try_lock(&lock, "new-leader", Duration::from_secs(10))
-        .await
-        .unwrap());
-
-    let entry = Entry::new(
-        Status::Found,
-        b"{}",
-        Duration::from_secs(60),
-        Duration::ZERO,
-    );
-    let released = commands
-        .finish(&keys, "old-leader", &entry, store)
-        .await
-        .unwrap()
-        .released;
-
-    assert!(!released);
-    let holder: Option<String> = env.redis.get(&lock).await.unwrap();
-    assert_eq!(holder.as_deref(), Some("new-leader"));
-    assert!(
-        commands
-            .finish(&keys, "new-leader", &entry, store)
-            .await
-            .unwrap()
-            .released
-    );
-    assert_eq!(env.pttl(&lock).await, -2);
 }
 
 #[tokio::test]
