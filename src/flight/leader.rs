@@ -7,10 +7,14 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 
 use super::{
-    freshness::{judge, store_for, Lifetimes, Verdict},
+    freshness::{judge, store_for, Lifetimes, StoreFor, Verdict},
     Answer, Outcome, ReadPath, Served, Source,
 };
 use crate::cache::{now_millis, Entry, ItemKeys, Status};
+
+/// The first pause before a finish is retried; it doubles up to the second.
+const FINISH_RETRY_FIRST: Duration = Duration::from_millis(20);
+const FINISH_RETRY_MAX: Duration = Duration::from_millis(100);
 
 /// A random token naming one leader's hold on a lock: only its holder may
 /// extend or release it.
@@ -87,11 +91,40 @@ impl<S: Source> ReadPath<S> {
                 Answer::new(finished.published, Served::Miss)
             }
             Err(error) => {
-                // Waiters are not told: they re-check when the lock expires.
-                tracing::warn!(%error, "failed to publish the outcome; waiters fall back to the lock's expiry");
+                // This flight is answered at once; the waiters elsewhere are
+                // answered when a retry gets through.
+                tracing::warn!(%error, "finish failed; retrying in the background");
+                self.finish_in_background(keys.clone(), token.to_owned(), entry.clone(), store);
                 Answer::new(entry, Served::Miss)
             }
         }
+    }
+
+    /// Retries a failed finish (store, publish, release) with backoff until
+    /// it gets through, or until LOCK_TTL has passed: by then the lock has
+    /// expired and the waiters have woken to look for themselves. A finish
+    /// that timed out may still have run: running it again is harmless (the
+    /// fencing lets the same entry be stored and published twice).
+    fn finish_in_background(&self, keys: ItemKeys, token: String, entry: Entry, store: StoreFor) {
+        let redis = self.redis.clone();
+        let give_up = Instant::now() + self.settings.lock_ttl;
+        self.tasks.spawn(async move {
+            let mut backoff = FINISH_RETRY_FIRST;
+            loop {
+                tokio::time::sleep(backoff).await;
+                match redis.finish(&keys, &token, &entry, store).await {
+                    Ok(_) => {
+                        tracing::info!(lock = keys.lock, "finished on a retry");
+                        return;
+                    }
+                    Err(error) if Instant::now() >= give_up => {
+                        tracing::warn!(%error, lock = keys.lock, "gave up finishing; the lock expires by itself");
+                        return;
+                    }
+                    Err(_) => backoff = (backoff * 2).min(FINISH_RETRY_MAX),
+                }
+            }
+        });
     }
 
     /// Loads while a watchdog extends the lock every third of LOCK_TTL, so a

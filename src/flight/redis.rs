@@ -255,6 +255,27 @@ impl RedisCommands {
         guarded(&self.breaker, self.timeout, fut).await
     }
 
+    /// Runs one command of lock hygiene (finish, release, extend) under
+    /// REDIS_TIMEOUT but not the breaker: a leader must be able to finish and
+    /// let go of its lock whatever other commands of this process met (in a
+    /// cluster, another shard may be down).
+    async fn unrefused<T>(
+        &self,
+        fut: impl Future<Output = Result<T, fred::error::Error>>,
+    ) -> Result<T, RedisError> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => {
+                metrics::redis_error(if is_outage(&e) { "connection" } else { "reply" });
+                Err(e.into())
+            }
+            Err(_) => {
+                metrics::redis_error("timeout");
+                Err(RedisError::Timeout(self.timeout))
+            }
+        }
+    }
+
     /// GET a value key and decode it. Bytes that are not an entry count as
     /// absent: the next store overwrites them.
     pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
@@ -326,7 +347,7 @@ impl RedisCommands {
             Value::Integer(now_millis() as i64),
         ];
         let (released, payload): (i64, Bytes) = self
-            .bounded(self.finish.evalsha_with_reload(
+            .unrefused(self.finish.evalsha_with_reload(
                 &self.client,
                 vec![
                     keys.value.as_str(),
@@ -346,7 +367,7 @@ impl RedisCommands {
     /// Releases a lock if it still holds `token`.
     pub async fn release(&self, lock_key: &str, token: &str) -> Result<bool, RedisError> {
         let released: i64 = self
-            .bounded(
+            .unrefused(
                 self.release
                     .evalsha_with_reload(&self.client, vec![lock_key], vec![token]),
             )
@@ -362,7 +383,7 @@ impl RedisCommands {
         ttl: Duration,
     ) -> Result<bool, RedisError> {
         let extended: i64 = self
-            .bounded(self.extend.evalsha_with_reload(
+            .unrefused(self.extend.evalsha_with_reload(
                 &self.client,
                 vec![lock_key],
                 vec![Value::from(token), Value::Integer(ms(ttl).max(1))],

@@ -5,10 +5,11 @@
 
 use std::time::{Duration, Instant};
 
+use futures::future::join_all;
 use postcache::{
     cache::{Entry, Status},
     flight::{RedisCommands, StoreFor},
-    testkit::{wait_until, RedisServer, TestEnv, A_WHILE},
+    testkit::{fire, wait_until, RedisServer, TableLock, TestEnv, A_WHILE, PATIENT},
 };
 
 /// The breaker's cooldown (500 ms) and a margin.
@@ -279,4 +280,42 @@ async fn a_stale_leader_finishing_first_does_not_store_over_the_new_leaders_load
     assert!(fresh.released);
     assert_eq!(env.stored(9).await, Some(newer));
     assert_eq!(env.pttl(&keys.lock).await, -2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_finish_blocked_by_a_write_pause_is_retried_and_every_waiter_answered() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(10, redis.url()).await;
+    let flags = [PATIENT, &["--redis-timeout", "250ms"]].concat();
+    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
+    let lock = TableLock::take(&env).await;
+    let requests = fire(&apps, "/posts/5", 40);
+    env.until_held(&apps, 40).await;
+    let channel = env.keys.channel(5);
+    wait_until("the other instance to wait", A_WHILE, async || {
+        env.numsub(&channel).await >= 1
+    })
+    .await;
+
+    // Writes stall just as the load returns: the finish script times out.
+    let pause = Duration::from_millis(800);
+    redis.cli(&["client", "pause", &pause.as_millis().to_string(), "write"]);
+    let released = lock.release().await;
+    let replies: Vec<_> = join_all(requests)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+
+    let statuses: Vec<u16> = replies.iter().map(|(r, _)| r.status).collect();
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let slowest = replies.iter().map(|(_, at)| *at - released).max().unwrap();
+    assert!(
+        slowest < pause + Duration::from_millis(500),
+        "the last waiter answered {slowest:?} after the load"
+    );
+    wait_until("the lock to go", Duration::from_secs(2), async || {
+        env.pttl(&env.keys.lock(5)).await == -2
+    })
+    .await;
 }
