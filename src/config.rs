@@ -144,6 +144,11 @@ pub struct CacheSettings {
     #[arg(long, env = "LOCK_TTL", default_value = "5s", value_parser = parse_duration)]
     pub lock_ttl: Duration,
 
+    /// Client-side bound on every load (pool acquire and query), for a
+    /// connection that stops answering; default DB_STATEMENT_TIMEOUT + 500ms.
+    #[arg(long, env = "LOAD_TIMEOUT", value_parser = parse_duration)]
+    pub load_timeout: Option<Duration>,
+
     /// Longest a waiter waits for another's load before 504.
     #[arg(long, env = "WAIT_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
     pub wait_timeout: Duration,
@@ -208,7 +213,18 @@ fn parse_jitter(s: &str) -> Result<f64, String> {
     }
 }
 
+/// LOAD_TIMEOUT's margin over DB_STATEMENT_TIMEOUT when it is not set.
+const LOAD_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
+
 impl ServeArgs {
+    /// LOAD_TIMEOUT, or DB_STATEMENT_TIMEOUT plus a margin: the server's
+    /// bound should end a slow query first, the client's a dead connection.
+    pub fn load_timeout(&self) -> Duration {
+        self.cache
+            .load_timeout
+            .unwrap_or(self.database.db_statement_timeout + LOAD_TIMEOUT_MARGIN)
+    }
+
     /// Checks the relations between settings that clap cannot express.
     pub fn validate(&self) -> anyhow::Result<()> {
         let c = &self.cache;
@@ -216,6 +232,10 @@ impl ServeArgs {
         anyhow::ensure!(!c.negative_ttl.is_zero(), "NEGATIVE_TTL must be positive");
         anyhow::ensure!(!c.lock_ttl.is_zero(), "LOCK_TTL must be positive");
         anyhow::ensure!(!c.wait_timeout.is_zero(), "WAIT_TIMEOUT must be positive");
+        anyhow::ensure!(
+            !self.load_timeout().is_zero(),
+            "LOAD_TIMEOUT must be positive"
+        );
         anyhow::ensure!(!c.redis_timeout.is_zero(), "REDIS_TIMEOUT must be positive");
         anyhow::ensure!(!c.poll_interval.is_zero(), "POLL_INTERVAL must be positive");
         anyhow::ensure!(self.max_in_flight > 0, "MAX_IN_FLIGHT must be positive");
@@ -265,6 +285,7 @@ mod tests {
         assert_eq!(s.cache.cache_ttl, Duration::from_secs(60));
         assert_eq!(s.cache.lock_ttl, Duration::from_secs(5));
         assert_eq!(s.cache.wait_timeout, Duration::from_secs(3));
+        assert_eq!(s.load_timeout(), Duration::from_millis(2_500));
         assert_eq!(s.cache.negative_ttl, Duration::from_secs(10));
         assert_eq!(s.cache.cache_strategy, Strategy::Pubsub);
         assert_eq!(s.cache.stale_while_revalidate, Duration::ZERO);

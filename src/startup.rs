@@ -43,7 +43,7 @@ pub struct Application {
 
 impl Application {
     pub async fn build(args: ServeArgs) -> anyhow::Result<Self> {
-        let settings = flight::Settings::from(&args.cache);
+        let settings = flight::Settings::from(&args);
         Self::build_with(args, settings).await
     }
 
@@ -52,7 +52,7 @@ impl Application {
     pub async fn build_with_hooks(args: ServeArgs, hooks: flight::Hooks) -> anyhow::Result<Self> {
         let settings = flight::Settings {
             hooks,
-            ..flight::Settings::from(&args.cache)
+            ..flight::Settings::from(&args)
         };
         Self::build_with(args, settings).await
     }

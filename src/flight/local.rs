@@ -11,6 +11,7 @@ use std::{
     future::Future,
     hash::Hash,
     sync::{Arc, Mutex, PoisonError},
+    time::Duration,
 };
 
 use tokio::sync::watch;
@@ -37,10 +38,16 @@ pub enum Role {
     Joiner,
 }
 
-/// The flight's task ended without a result (it panicked).
-#[derive(Debug, thiserror::Error)]
-#[error("the flight ended without a result")]
-pub struct Abandoned;
+/// Why a caller got no result from a flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Unshared {
+    /// The flight's task ended without a result (it panicked).
+    #[error("the flight ended without a result")]
+    Abandoned,
+    /// A joiner's patience ran out before the flight ended.
+    #[error("the flight did not end in time")]
+    TimedOut,
+}
 
 impl<K, V> Flights<K, V> {
     pub fn new(tasks: TaskTracker) -> Self {
@@ -97,7 +104,14 @@ where
     /// The flight is removed from the map only after its result is published,
     /// so a caller arriving in between still gets that result; one arriving
     /// after finds whatever the run left behind (e.g. the cache entry).
-    pub async fn run<F, Fut>(&self, key: K, start: F) -> (Role, Result<V, Abandoned>)
+    /// A joiner waits at most `patience`; the owner waits for the run, which
+    /// is bounded by its own protocol.
+    pub async fn run<F, Fut>(
+        &self,
+        key: K,
+        patience: Duration,
+        start: F,
+    ) -> (Role, Result<V, Unshared>)
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = V> + Send + 'static,
@@ -126,9 +140,17 @@ where
                 }
             }
         };
-        let result = match slot.wait_for(Option::is_some).await {
-            Ok(value) => Ok(value.clone().expect("wait_for returned a Some")),
-            Err(_) => Err(Abandoned),
+        let wait = async {
+            match slot.wait_for(Option::is_some).await {
+                Ok(value) => Ok(value.clone().expect("wait_for returned a Some")),
+                Err(_) => Err(Unshared::Abandoned),
+            }
+        };
+        let result = match role {
+            Role::Owner => wait.await,
+            Role::Joiner => tokio::time::timeout(patience, wait)
+                .await
+                .unwrap_or(Err(Unshared::TimedOut)),
         };
         (role, result)
     }
@@ -136,12 +158,11 @@ where
 
 #[cfg(test)]
 mod tests {
-    use std::{
-        sync::atomic::{AtomicUsize, Ordering},
-        time::Duration,
-    };
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
+
+    const PATIENCE: Duration = Duration::from_secs(5);
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_callers_share_one_run() {
@@ -152,7 +173,7 @@ mod tests {
             let (flights, runs) = (flights.clone(), runs.clone());
             tasks.push(tokio::spawn(async move {
                 flights
-                    .run(1, || async move {
+                    .run(1, PATIENCE, || async move {
                         runs.fetch_add(1, Ordering::SeqCst);
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         7
@@ -178,7 +199,7 @@ mod tests {
             let flights = flights.clone();
             tokio::spawn(async move {
                 flights
-                    .run(1, || async {
+                    .run(1, PATIENCE, || async {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         9
                     })
@@ -187,7 +208,7 @@ mod tests {
         };
         tokio::time::sleep(Duration::from_millis(5)).await;
         owner.abort();
-        let (role, v) = flights.run(1, || async { unreachable!() }).await;
+        let (role, v) = flights.run(1, PATIENCE, || async { unreachable!() }).await;
         assert_eq!((role, v.unwrap()), (Role::Joiner, 9));
     }
 
@@ -199,7 +220,7 @@ mod tests {
                 let flights = flights.clone();
                 tokio::spawn(async move {
                     flights
-                        .run(1, || async {
+                        .run(1, PATIENCE, || async {
                             tokio::time::sleep(Duration::from_millis(20)).await;
                             panic!("load exploded")
                         })
@@ -215,5 +236,29 @@ mod tests {
             assert!(v.is_err());
         }
         assert!(flights.is_empty(), "the map is cleaned after a panic");
+    }
+
+    #[tokio::test]
+    async fn a_joiner_stops_waiting_after_its_patience() {
+        let flights = Arc::new(Flights::<u32, u32>::default());
+        let owner = {
+            let flights = flights.clone();
+            tokio::spawn(async move {
+                flights
+                    .run(1, PATIENCE, || async {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        3
+                    })
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+
+        let (role, joined) = flights
+            .run(1, Duration::from_millis(50), || async { unreachable!() })
+            .await;
+
+        assert_eq!((role, joined), (Role::Joiner, Err(Unshared::TimedOut)));
+        assert_eq!(owner.await.unwrap().1, Ok(3), "the run goes on");
     }
 }

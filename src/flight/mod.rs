@@ -62,11 +62,11 @@ pub use waiter::Wake;
 pub use waiter::{Hook, Hooks};
 
 use freshness::{judge, Verdict};
-use local::{Flights, Role};
+use local::{Flights, Role, Unshared};
 
 use crate::{
     cache::{now_millis, Entry, Jitter, Keys, Status},
-    config::{CacheSettings, Strategy},
+    config::{ServeArgs, Strategy},
     telemetry::metrics,
 };
 
@@ -167,8 +167,11 @@ pub struct Settings {
     pub jitter: Jitter,
     /// Lifetime of the leader lock (extended by the watchdog while loading).
     pub lock_ttl: Duration,
-    /// Longest a flight waits for another's load.
+    /// Longest a flight waits for another's load, and a request for the
+    /// flight of another request of this process.
     pub wait_timeout: Duration,
+    /// Longest a load may take, whatever the connection does.
+    pub load_timeout: Duration,
     /// Grace window after freshness during which a stale entry is served
     /// while one background refresh runs (0 = off).
     pub stale_while_revalidate: Duration,
@@ -184,8 +187,9 @@ pub struct Settings {
     pub hooks: Hooks,
 }
 
-impl From<&CacheSettings> for Settings {
-    fn from(c: &CacheSettings) -> Self {
+impl From<&ServeArgs> for Settings {
+    fn from(args: &ServeArgs) -> Self {
+        let c = &args.cache;
         Self {
             strategy: c.cache_strategy,
             wake: strategy::wake(c.cache_strategy, c.poll_interval),
@@ -194,6 +198,7 @@ impl From<&CacheSettings> for Settings {
             jitter: Jitter::new(c.ttl_jitter),
             lock_ttl: c.lock_ttl,
             wait_timeout: c.wait_timeout,
+            load_timeout: args.load_timeout(),
             stale_while_revalidate: c.stale_while_revalidate,
             early_refresh_beta: c.early_refresh_beta,
             max_stale: c.max_stale,
@@ -337,7 +342,7 @@ impl<S: Source> ReadPath<S> {
         let this = self.clone();
         let (role, outcome) = self
             .flights
-            .run(key.clone(), move || {
+            .run(key.clone(), self.settings.wait_timeout, move || {
                 fly(this, key).instrument(tracing::info_span!(
                     "flight",
                     role = tracing::field::Empty,
@@ -345,8 +350,13 @@ impl<S: Source> ReadPath<S> {
                 ))
             })
             .await;
-        // A flight whose task panicked ended without an outcome.
-        let outcome = outcome.unwrap_or(Err(ReadError::Unavailable));
+        let outcome = outcome.unwrap_or_else(|error| {
+            Err(match error {
+                // A flight whose task panicked ended without an outcome.
+                Unshared::Abandoned => ReadError::Unavailable,
+                Unshared::TimedOut => ReadError::Timeout,
+            })
+        });
         let span = tracing::Span::current();
         match role {
             Role::Owner => {
@@ -375,7 +385,14 @@ impl<S: Source> ReadPath<S> {
     /// NEGATIVE_TTL; a failed load gives a `Failed` entry.
     async fn load_entry(&self, key: &S::Key) -> Entry {
         let started = Instant::now();
-        let loaded = self.source.load(key).await;
+        let loaded = tokio::time::timeout(self.settings.load_timeout, self.source.load(key))
+            .await
+            .unwrap_or_else(|_| {
+                Err(anyhow::anyhow!(
+                    "no answer within LOAD_TIMEOUT ({:?})",
+                    self.settings.load_timeout
+                ))
+            });
         let took = started.elapsed();
         let took_ms = took.as_secs_f64() * 1e3;
         tracing::Span::current().record("load_ms", took_ms);

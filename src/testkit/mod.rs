@@ -88,6 +88,15 @@ pub fn server_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_owned())
 }
 
+/// The port of the PostgreSQL server the tests use.
+pub fn postgres_port() -> u16 {
+    server_url()
+        .rsplit(':')
+        .next()
+        .and_then(|port| port.trim_end_matches('/').parse().ok())
+        .expect("a port in TEST_DATABASE_URL")
+}
+
 /// The Redis server the tests use (override with TEST_REDIS_URL).
 pub fn redis_url() -> String {
     std::env::var("TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())

@@ -9,8 +9,8 @@ use futures::future::join_all;
 use postcache::{
     cache::{Entry, Status},
     testkit::{
-        fire, server_url, wait_until, RedisServer, TableLock, TcpProxy, TestApp, TestEnv, A_WHILE,
-        PATIENT,
+        fire, postgres_port, wait_until, RedisServer, TableLock, TcpProxy, TestApp, TestEnv,
+        A_WHILE, PATIENT,
     },
 };
 
@@ -120,11 +120,6 @@ async fn a_paused_redis_costs_each_request_at_most_the_timeout_then_fails_open()
     }
 }
 
-/// PostgreSQL's port, from the test server's URL.
-fn postgres_port() -> u16 {
-    server_url().rsplit(':').next().unwrap().parse().unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slow_but_live_leader_keeps_its_lock_and_is_not_duplicated() {
     let env = TestEnv::new(10).await;
@@ -141,6 +136,8 @@ async fn a_slow_but_live_leader_keeps_its_lock_and_is_not_duplicated() {
         "--db-statement-timeout",
         "250ms",
         "--db-acquire-timeout",
+        "5s",
+        "--load-timeout",
         "5s",
         "--wait-timeout",
         "10s",

@@ -9,7 +9,10 @@ use futures::future::join_all;
 use postcache::{
     cache::{Entry, Status},
     flight::{RedisCommands, StoreFor},
-    testkit::{fire, wait_until, RedisServer, TableLock, TestEnv, A_WHILE, PATIENT},
+    testkit::{
+        fire, postgres_port, wait_until, RedisServer, TableLock, TcpProxy, TestEnv, A_WHILE,
+        PATIENT,
+    },
 };
 
 /// The breaker's cooldown (500 ms) and a margin.
@@ -318,4 +321,57 @@ async fn a_finish_blocked_by_a_write_pause_is_retried_and_every_waiter_answered(
         env.pttl(&env.keys.lock(5)).await == -2
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_load_on_a_connection_that_stops_answering_ends_at_load_timeout() {
+    let env = TestEnv::new(10).await;
+    let proxy = TcpProxy::start(([127, 0, 0, 1], postgres_port()).into()).await;
+    let url = format!("postgres://postgres@{}/{}", proxy.addr, env.db_name);
+    let app = env
+        .spawn(&[
+            "--database-url",
+            &url,
+            "--db-statement-timeout",
+            "1s",
+            "--load-timeout",
+            "1500ms",
+            "--db-acquire-timeout",
+            "30s",
+            "--wait-timeout",
+            "800ms",
+            "--failure-ttl",
+            "0s",
+        ])
+        .await;
+    // A pooled connection through the proxy, which then stops forwarding:
+    // the server never sees the query, so its statement timeout never fires.
+    assert_eq!(app.get("/readyz").await.status, 200);
+    proxy.stall(true);
+    let started = Instant::now();
+    let owner = app.http.spawn_get("/posts/3");
+    wait_until("the load to start", A_WHILE, async || {
+        app.reads_in_progress() >= 1
+    })
+    .await;
+    let joiners = join_all(fire(std::slice::from_ref(&app), "/posts/3", 5)).await;
+    let (owner, owner_at) = owner.await.unwrap();
+    proxy.stall(false);
+
+    for joined in joiners {
+        let (reply, at) = joined.unwrap();
+        assert_eq!(reply.status, 504, "a joiner waits WAIT_TIMEOUT at most");
+        assert!(
+            at - started < Duration::from_millis(1_400),
+            "{:?}",
+            at - started
+        );
+    }
+    assert_eq!(owner.status, 503, "the load gave up");
+    let took = owner_at - started;
+    assert!(
+        took >= Duration::from_millis(1_400) && took < Duration::from_millis(3_000),
+        "the load ended {took:?} after it began"
+    );
+    assert_eq!(env.pttl(&env.keys.lock(3)).await, -2, "no lock left");
 }
