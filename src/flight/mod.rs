@@ -172,6 +172,8 @@ pub struct Settings {
     pub wait_timeout: Duration,
     /// Longest a load may take, whatever the connection does.
     pub load_timeout: Duration,
+    /// Bound on each Redis command.
+    pub redis_timeout: Duration,
     /// Grace window after freshness during which a stale entry is served
     /// while one background refresh runs (0 = off).
     pub stale_while_revalidate: Duration,
@@ -199,6 +201,7 @@ impl From<&ServeArgs> for Settings {
             lock_ttl: c.lock_ttl,
             wait_timeout: c.wait_timeout,
             load_timeout: args.load_timeout(),
+            redis_timeout: c.redis_timeout,
             stale_while_revalidate: c.stale_while_revalidate,
             early_refresh_beta: c.early_refresh_beta,
             max_stale: c.max_stale,

@@ -69,7 +69,8 @@ struct Waiting {
 }
 
 impl<S: Source> ReadPath<S> {
-    /// Leads, or waits for the leader's outcome, until WAIT_TIMEOUT.
+    /// Leads, or waits for the leader's outcome until WAIT_TIMEOUT: a hard
+    /// bound, exceeded by at most one REDIS_TIMEOUT (a step begun before it).
     pub(super) async fn coordinate(&self, key: &S::Key) -> Outcome {
         let deadline = Instant::now() + self.settings.wait_timeout;
         let keys = self.keys.item(key);
@@ -77,47 +78,58 @@ impl<S: Source> ReadPath<S> {
         // None until an election is lost: winning the first one is a plain
         // miss, not the end of a wait.
         let mut waiting: Option<Waiting> = None;
+        // The hard bound of a wait: a Redis step begun just before the
+        // deadline may end one REDIS_TIMEOUT after it, never later.
+        let hard = (deadline + self.settings.redis_timeout).into();
         loop {
-            match self
+            // Past the deadline a waiter gives up: it neither leads nor loads.
+            if let Some(w) = &waiting {
+                if Instant::now() >= deadline {
+                    return self.timed_out(w);
+                }
+            }
+            let lock = self
                 .redis
-                .try_lock(&keys.lock, &token, self.settings.lock_ttl)
-                .await
-            {
-                Ok(true) => {
+                .try_lock(&keys.lock, &token, self.settings.lock_ttl);
+            match tokio::time::timeout_at(hard, lock).await {
+                Ok(Ok(true)) => {
                     if let Some(w) = &waiting {
                         self.wait_ended(w, "takeover");
                     }
                     tracing::Span::current().record("role", "leader");
                     return self.lead(key, &keys, &token, None).await;
                 }
-                Ok(false) => {}
-                Err(error) => return self.fail_open(key, error).await,
+                Ok(Ok(false)) => {}
+                Ok(Err(error)) => return self.fail_open(key, error).await,
+                Err(_elapsed) => return Err(ReadError::Timeout),
             }
             let w = match &mut waiting {
                 Some(w) => w,
-                None => match self.start_waiting(&keys).await {
-                    Ok(w) => waiting.insert(w),
-                    Err(error) => return self.fail_open(key, error).await,
+                None => match tokio::time::timeout_at(hard, self.start_waiting(&keys)).await {
+                    Ok(Ok(w)) => waiting.insert(w),
+                    Ok(Err(error)) => return self.fail_open(key, error).await,
+                    Err(_elapsed) => return Err(ReadError::Timeout),
                 },
             };
             // Look again: the leader may have finished (and published)
             // before our subscription existed, or since our last look.
-            match self.redis.lookup(&keys.value).await {
-                Ok(entry) => {
+            match tokio::time::timeout_at(hard, self.redis.lookup(&keys.value)).await {
+                Ok(Ok(entry)) => {
                     let verdict = judge(entry, now_millis(), Duration::ZERO);
                     if let Some(outcome) = verdict.settle(Served::CoalescedRemote) {
                         self.wait_ended(w, ended_by(&outcome, "recheck"));
                         return outcome;
                     }
                 }
-                Err(error) => return self.fail_open(key, error).await,
+                Ok(Err(error)) => return self.fail_open(key, error).await,
+                Err(_elapsed) => return self.timed_out(w),
             }
             if Instant::now() >= deadline {
-                self.wait_ended(w, "timeout");
-                return Err(ReadError::Timeout);
+                return self.timed_out(w);
             }
-            match self.sleep(&mut w.listener, &keys, deadline).await {
-                Ok(Woken::Message(entry)) => {
+            let woken = self.sleep(&mut w.listener, &keys, deadline);
+            match tokio::time::timeout_at(hard, woken).await {
+                Ok(Ok(Woken::Message(entry))) => {
                     let verdict = judge(Some(entry), now_millis(), Duration::ZERO);
                     if let Some(outcome) = verdict.settle(Served::CoalescedRemote) {
                         self.wait_ended(w, ended_by(&outcome, "message"));
@@ -125,10 +137,16 @@ impl<S: Source> ReadPath<S> {
                     }
                     // A stale entry published: keep waiting for a fresh one.
                 }
-                Ok(Woken::LookAgain) => {}
-                Err(error) => return self.fail_open(key, error).await,
+                Ok(Ok(Woken::LookAgain)) => {}
+                Ok(Err(error)) => return self.fail_open(key, error).await,
+                Err(_elapsed) => return self.timed_out(w),
             }
         }
+    }
+
+    fn timed_out(&self, waiting: &Waiting) -> Outcome {
+        self.wait_ended(waiting, "timeout");
+        Err(ReadError::Timeout)
     }
 
     /// Starts listening as the wake mode says; with pub/sub, returns once

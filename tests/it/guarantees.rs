@@ -375,3 +375,36 @@ async fn a_load_on_a_connection_that_stops_answering_ends_at_load_timeout() {
     );
     assert_eq!(env.pttl(&env.keys.lock(3)).await, -2, "no lock left");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_past_its_deadline_neither_leads_nor_loads() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(10, redis.url()).await;
+    env.set(&env.keys.lock(4), "stuck", Duration::from_secs(10))
+        .await;
+    let before = env.post_reads().await;
+    let app = env
+        .spawn(&["--wait-timeout", "1s", "--redis-timeout", "400ms"])
+        .await;
+
+    let started = Instant::now();
+    let request = app.http.spawn_get("/posts/4");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Writes stall from before the deadline to well after it: a lock
+    // attempt past the deadline would time out and fail open to the database.
+    redis.cli(&["client", "pause", "3000", "write"]);
+    let (reply, at) = request.await.unwrap();
+    app.stop().await;
+
+    assert_eq!(reply.status, 504, "{}", reply.text());
+    let took = at - started;
+    assert!(
+        took < Duration::from_millis(1_300),
+        "answered after {took:?}"
+    );
+    assert_eq!(
+        env.post_reads().await - before,
+        0,
+        "no load past the deadline"
+    );
+}
