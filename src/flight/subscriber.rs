@@ -11,6 +11,14 @@
 //! `server_state` lock, and a slot leaves the map only after its UNSUBSCRIBE
 //! has completed: a newcomer either finds the old slot (and re-subscribes under
 //! its lock if needed) or creates a new one after the UNSUBSCRIBE is done.
+//!
+//! After a reconnect the server has forgotten every subscription, and what
+//! was published meanwhile is lost. The order of the repair matters: first
+//! subscribe again (here, not through the client library's own task, which
+//! would race the re-check and, on a cluster, does not restore sharded
+//! channels), then tell the listeners to re-check. A leader finishing before
+//! the new SUBSCRIBE is seen by the re-check; one finishing after, by the
+//! message.
 
 use std::{
     collections::HashMap,
@@ -87,10 +95,8 @@ impl Subscriber {
             breaker,
             slots: Mutex::new(HashMap::new()),
         });
-        // Re-subscribes every tracked channel after a reconnect.
-        let _resubscribe = this.client.manage_subscriptions();
         tokio::spawn(dispatch(Arc::downgrade(&this), this.client.message_rx()));
-        tokio::spawn(recheck_on_reconnect(
+        tokio::spawn(resubscribe_on_reconnect(
             Arc::downgrade(&this),
             this.client.reconnect_rx(),
         ));
@@ -140,16 +146,46 @@ impl Subscriber {
         };
         let mut subscribed = subscription.slot.server_state.lock().await;
         if !*subscribed {
-            if self.sharded {
-                guarded(&self.breaker, self.timeout, self.client.ssubscribe(channel)).await?;
-            } else {
-                guarded(&self.breaker, self.timeout, self.client.subscribe(channel)).await?;
-            }
+            guarded(&self.breaker, self.timeout, self.server_subscribe(channel)).await?;
             *subscribed = true;
             metrics::subscribed_channels(1.0);
         }
         drop(subscribed);
         Ok(subscription)
+    }
+
+    /// SUBSCRIBE, or SSUBSCRIBE on a cluster.
+    async fn server_subscribe(&self, channel: &str) -> Result<(), fred::error::Error> {
+        if self.sharded {
+            self.client.ssubscribe(channel).await
+        } else {
+            self.client.subscribe(channel).await
+        }
+    }
+
+    /// After a reconnect: subscribes again to every channel the server should
+    /// have, each under its lock, then has its listeners re-check the cache.
+    async fn resubscribe(&self) {
+        let slots: Vec<(String, Arc<Slot>)> = self
+            .lock_slots()
+            .iter()
+            .map(|(channel, r)| (channel.clone(), r.slot.clone()))
+            .collect();
+        for (channel, slot) in slots {
+            let mut subscribed = slot.server_state.lock().await;
+            if *subscribed {
+                let again = tokio::time::timeout(self.timeout, self.server_subscribe(&channel));
+                if !matches!(again.await, Ok(Ok(()))) {
+                    // Its listeners still wake at the lock's expiry; the next
+                    // listener of the channel subscribes again.
+                    tracing::warn!(channel, "re-subscribing after a reconnect failed");
+                    *subscribed = false;
+                    metrics::subscribed_channels(-1.0);
+                }
+            }
+            drop(subscribed);
+            let _ = slot.sender.send(Notice::Recheck);
+        }
     }
 
     fn release(self: &Arc<Self>, channel: &str, slot: &Arc<Slot>) {
@@ -264,9 +300,8 @@ async fn dispatch(
     }
 }
 
-/// After a reconnect, messages published while the connection was down are
-/// lost: every listener re-checks the cache rather than waiting for them.
-async fn recheck_on_reconnect(
+/// After a reconnect: subscribe again, then re-check (see the module doc).
+async fn resubscribe_on_reconnect(
     owner: std::sync::Weak<Subscriber>,
     mut reconnects: broadcast::Receiver<fred::types::config::Server>,
 ) {
@@ -274,9 +309,7 @@ async fn recheck_on_reconnect(
         let received = reconnects.recv().await;
         let Some(owner) = owner.upgrade() else { return };
         match received {
-            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
-                owner.notify_all(Notice::Recheck)
-            }
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => owner.resubscribe().await,
             Err(broadcast::error::RecvError::Closed) => return,
         }
     }

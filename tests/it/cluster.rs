@@ -114,3 +114,14 @@ async fn a_master_failover_is_survived_failing_open_meanwhile() {
     .await;
     cluster.restart(victim).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_a_cluster_waiters_whose_pubsub_connection_is_killed_subscribe_again() {
+    let cluster = RedisCluster::start(3, 0).await;
+    let env = TestEnv::with_redis(10, cluster.url()).await;
+    let owner = cluster.master_of(&env.keys.channel(6));
+    scenarios::waiters_survive_a_killed_pubsub_connection(&env, || {
+        cluster.cli(owner, &["client", "kill", "type", "pubsub"]);
+    })
+    .await;
+}

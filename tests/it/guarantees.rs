@@ -408,3 +408,13 @@ async fn a_waiter_past_its_deadline_neither_leads_nor_loads() {
         "no load past the deadline"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_whose_pubsub_connection_is_killed_subscribe_again_and_are_woken() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(10, redis.url()).await;
+    crate::scenarios::waiters_survive_a_killed_pubsub_connection(&env, || {
+        redis.cli(&["client", "kill", "type", "pubsub"]);
+    })
+    .await;
+}

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use futures::future::join_all;
-use postcache::testkit::{fire, wait_until, TableLock, TestEnv, PATIENT};
+use postcache::testkit::{fire, wait_until, TableLock, TestEnv, A_WHILE, PATIENT};
 
 /// 1,000 concurrent requests for one cold post over 3 instances: one
 /// database read (counted by PostgreSQL), 1 miss and 999 coalesced, identical
@@ -89,4 +89,44 @@ pub async fn waiters_answer_within_milliseconds_of_the_release(env: &TestEnv) {
         max < Duration::from_millis(250),
         "slowest {max:?} after the release"
     );
+}
+
+/// Waiters whose pub/sub connection is killed (`kill_pubsub`) subscribe
+/// again and are woken by the leader that finishes right after.
+pub async fn waiters_survive_a_killed_pubsub_connection(env: &TestEnv, kill_pubsub: impl Fn()) {
+    let apps = join_all((0..2).map(|_| env.spawn(PATIENT))).await;
+    let lock = TableLock::take(env).await;
+    let requests = fire(&apps, "/posts/6", 20);
+    env.until_held(&apps, 20).await;
+    let channel = env.keys.channel(6);
+    wait_until("a remote waiter", A_WHILE, async || {
+        env.numsub(&channel).await >= 1
+    })
+    .await;
+
+    kill_pubsub();
+    wait_until(
+        "the waiter to subscribe again",
+        Duration::from_secs(10),
+        async || env.numsub(&channel).await >= 1,
+    )
+    .await;
+    let released = lock.release().await;
+    let replies: Vec<_> = join_all(requests)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+
+    assert!(replies.iter().all(|(r, _)| r.status == 200));
+    let slowest = replies.iter().map(|(_, at)| *at - released).max().unwrap();
+    assert!(
+        slowest < Duration::from_secs(1),
+        "the last waiter answered {slowest:?} after the release"
+    );
+    let misses = replies
+        .iter()
+        .filter(|(r, _)| r.x_cache.as_deref() == Some("miss"))
+        .count();
+    assert_eq!(misses, 1);
 }
