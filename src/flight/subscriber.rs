@@ -21,7 +21,7 @@
 //! message.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{Arc, Mutex, PoisonError},
     time::Duration,
 };
@@ -35,6 +35,9 @@ use super::{
     redis::{guarded, RedisError},
 };
 use crate::telemetry::metrics;
+
+/// How often channels whose server-side state is uncertain are reconciled.
+const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 
 /// Notices buffered per channel; a flight reads them as they come, and a lagging
 /// listener only loses a wake-up it then replaces by a re-check.
@@ -74,6 +77,12 @@ pub struct Subscriber {
     /// Channel name → slot. A std mutex: held only for map operations, never
     /// across an await, and taken by the message dispatcher for every message.
     slots: Mutex<HashMap<String, Registered>>,
+    /// Channels whose server-side state is not known: a SUBSCRIBE or
+    /// UNSUBSCRIBE that failed, timed out or was cancelled may still have
+    /// run (or may not). Reconciled every RECONCILE_EVERY, so that the
+    /// server never keeps a subscription nobody listens to. A std mutex:
+    /// held only to insert or take.
+    uncertain: Mutex<HashSet<String>>,
 }
 
 /// A local listener on one channel; dropping it releases the reference.
@@ -94,7 +103,9 @@ impl Subscriber {
             timeout,
             breaker,
             slots: Mutex::new(HashMap::new()),
+            uncertain: Mutex::default(),
         });
+        tokio::spawn(reconcile_uncertain(Arc::downgrade(&this)));
         tokio::spawn(dispatch(Arc::downgrade(&this), this.client.message_rx()));
         tokio::spawn(resubscribe_on_reconnect(
             Arc::downgrade(&this),
@@ -118,8 +129,30 @@ impl Subscriber {
         self.slots.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Listens on `channel`; returns once the server has confirmed the subscription.
+    /// Listens on `channel`; returns once the server has processed the
+    /// subscription (see [`Subscriber::confirm`]).
     pub async fn subscribe(self: &Arc<Self>, channel: &str) -> Result<Subscription, RedisError> {
+        let subscription = self.register(channel);
+        let mut subscribed = subscription.slot.server_state.lock().await;
+        if !*subscribed {
+            // Uncertain until confirmed: the SUBSCRIBE may fail, time out or
+            // be cancelled and still reach the server.
+            self.set_uncertain(channel, true);
+            let confirmed = async {
+                self.server_subscribe(channel).await?;
+                self.confirm(channel).await
+            };
+            guarded(&self.breaker, self.timeout, confirmed).await?;
+            self.set_uncertain(channel, false);
+            *subscribed = true;
+            metrics::subscribed_channels(1.0);
+        }
+        drop(subscribed);
+        Ok(subscription)
+    }
+
+    /// A local listener on `channel`, without touching the server.
+    fn register(self: &Arc<Self>, channel: &str) -> Subscription {
         let (slot, receiver) = {
             let mut slots = self.lock_slots();
             let entry = slots
@@ -137,21 +170,87 @@ impl Subscriber {
             (entry.slot.clone(), entry.slot.sender.subscribe())
         };
         // From here on, dropping the subscription releases the reference,
-        // whether the SUBSCRIBE below succeeds, fails or is cancelled.
-        let subscription = Subscription {
+        // whether a SUBSCRIBE succeeds, fails or is cancelled.
+        Subscription {
             owner: self.clone(),
             channel: channel.to_owned(),
             slot,
             receiver,
-        };
-        let mut subscribed = subscription.slot.server_state.lock().await;
-        if !*subscribed {
-            guarded(&self.breaker, self.timeout, self.server_subscribe(channel)).await?;
-            *subscribed = true;
-            metrics::subscribed_channels(1.0);
         }
+    }
+
+    fn set_uncertain(&self, channel: &str, uncertain: bool) {
+        let mut set = self
+            .uncertain
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if uncertain {
+            set.insert(channel.to_owned());
+        } else {
+            set.remove(channel);
+        }
+    }
+
+    /// Waits until the server has processed what was sent on the channel's
+    /// connection: a PING answered there comes after the SUBSCRIBE (the
+    /// client library answers a SUBSCRIBE once written, not once processed).
+    async fn confirm(&self, channel: &str) -> Result<(), fred::error::Error> {
+        if !self.sharded {
+            return self.client.ping::<()>(None).await;
+        }
+        let slot = fred::util::redis_keyslot(channel.as_bytes());
+        let node = self
+            .client
+            .cached_cluster_state()
+            .and_then(|state| state.get_server(slot).cloned());
+        match node {
+            Some(server) => {
+                let options = fred::types::config::Options {
+                    cluster_node: Some(server),
+                    ..Default::default()
+                };
+                self.client.with_options(&options).ping::<()>(None).await
+            }
+            // No topology yet: the SUBSCRIBE alone has to do.
+            None => Ok(()),
+        }
+    }
+
+    /// UNSUBSCRIBE, or SUNSUBSCRIBE on a cluster.
+    async fn server_unsubscribe(&self, channel: &str) -> Result<(), fred::error::Error> {
+        if self.sharded {
+            self.client.sunsubscribe(channel).await
+        } else {
+            self.client.unsubscribe(channel).await
+        }
+    }
+
+    /// Makes the server's state of an uncertain channel match ours:
+    /// subscribed while it has listeners, else not. Returns whether it did.
+    async fn reconcile(self: &Arc<Self>, channel: &str) -> bool {
+        // A reference of our own keeps the slot while we work on it.
+        let mine = self.register(channel);
+        let mut subscribed = mine.slot.server_state.lock().await;
+        let listening = self.refs_of(channel, &mine.slot) > 1;
+        let done = if listening {
+            let again = tokio::time::timeout(self.timeout, self.server_subscribe(channel));
+            let done = matches!(again.await, Ok(Ok(())));
+            if done && !*subscribed {
+                *subscribed = true;
+                metrics::subscribed_channels(1.0);
+            }
+            done
+        } else {
+            let gone = tokio::time::timeout(self.timeout, self.server_unsubscribe(channel));
+            let done = matches!(gone.await, Ok(Ok(())));
+            if done && *subscribed {
+                *subscribed = false;
+                metrics::subscribed_channels(-1.0);
+            }
+            done
+        };
         drop(subscribed);
-        Ok(subscription)
+        done
     }
 
     /// SUBSCRIBE, or SSUBSCRIBE on a cluster.
@@ -208,20 +307,15 @@ impl Subscriber {
                 return; // a new listener arrived: keep the subscription
             }
             if *subscribed {
-                let unsubscribe = async {
-                    if this.sharded {
-                        this.client.sunsubscribe(&channel).await
-                    } else {
-                        this.client.unsubscribe(&channel).await
-                    }
-                };
+                this.set_uncertain(&channel, true);
+                let unsubscribe = this.server_unsubscribe(&channel);
                 match tokio::time::timeout(this.timeout, unsubscribe).await {
-                    Ok(Ok(())) => {}
+                    Ok(Ok(())) => this.set_uncertain(&channel, false),
+                    // Left uncertain: reconciled later.
                     Ok(Err(e)) => tracing::debug!(error = %e, channel, "unsubscribe failed"),
                     Err(_) => tracing::debug!(channel, "unsubscribe timed out"),
                 }
-                // Even on failure: the next listener subscribes again, and a
-                // stale server-side subscription only delivers ignored messages.
+                // Even on failure: the next listener subscribes again.
                 *subscribed = false;
                 metrics::subscribed_channels(-1.0);
             }
@@ -296,6 +390,28 @@ async fn dispatch(
                 owner.notify_all(Notice::Recheck);
             }
             Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+/// Every RECONCILE_EVERY, reconciles the channels whose server-side state
+/// is uncertain; those that fail stay for the next round.
+async fn reconcile_uncertain(owner: std::sync::Weak<Subscriber>) {
+    let mut every = tokio::time::interval(RECONCILE_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let Some(owner) = owner.upgrade() else { return };
+        let channels: Vec<String> = owner
+            .uncertain
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+            .collect();
+        for channel in channels {
+            if !owner.reconcile(&channel).await {
+                owner.set_uncertain(&channel, true);
+            }
         }
     }
 }

@@ -21,11 +21,12 @@ use tokio::{
 use super::{eventually, free_port, kill, Http};
 
 /// A TCP proxy in front of a server: connections can be cut (and new ones
-/// refused), or stalled (bytes held, connections kept).
+/// refused), or stalled (bytes held, connections kept), or, in front of
+/// Redis, only the commands that subscribe held.
 pub struct TcpProxy {
     pub addr: SocketAddr,
     open: Arc<AtomicBool>,
-    stalled: Arc<AtomicBool>,
+    hold: Arc<Hold>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
 }
@@ -35,17 +36,17 @@ impl TcpProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let open = Arc::new(AtomicBool::new(true));
-        let stalled = Arc::new(AtomicBool::new(false));
+        let hold = Arc::new(Hold::default());
         let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let accept = tokio::spawn({
-            let (open, stalled, connections) = (open.clone(), stalled.clone(), connections.clone());
+            let (open, hold, connections) = (open.clone(), hold.clone(), connections.clone());
             async move {
                 while let Ok((mut client, _)) = listener.accept().await {
                     if !open.load(Ordering::SeqCst) {
                         let _ = client.shutdown().await;
                         continue;
                     }
-                    let stalled = stalled.clone();
+                    let hold = hold.clone();
                     let pipe = tokio::spawn(async move {
                         let Ok(server) = TcpStream::connect(target).await else {
                             return;
@@ -53,8 +54,8 @@ impl TcpProxy {
                         let (client_rx, client_tx) = client.into_split();
                         let (server_rx, server_tx) = server.into_split();
                         tokio::join!(
-                            pump(client_rx, server_tx, stalled.clone()),
-                            pump(server_rx, client_tx, stalled)
+                            pump(client_rx, server_tx, hold.clone()),
+                            pump(server_rx, client_tx, hold)
                         );
                     });
                     connections.lock().unwrap().push(pipe);
@@ -64,7 +65,7 @@ impl TcpProxy {
         Self {
             addr,
             open,
-            stalled,
+            hold,
             connections,
             accept,
         }
@@ -86,15 +87,38 @@ impl TcpProxy {
     /// Holds every byte in both directions (a network that stalls) until
     /// `stall(false)`; connections stay open.
     pub fn stall(&self, stalled: bool) {
-        self.stalled.store(stalled, Ordering::SeqCst);
+        self.hold.all.store(stalled, Ordering::SeqCst);
+    }
+
+    /// Holds the bytes that carry a Redis SUBSCRIBE (or SSUBSCRIBE) until
+    /// `hold_subscribes(false)`; everything else passes.
+    pub fn hold_subscribes(&self, held: bool) {
+        self.hold.subscribes.store(held, Ordering::SeqCst);
     }
 }
 
-/// Copies one direction of a connection, holding bytes while stalled.
+/// What a proxy holds back.
+#[derive(Default)]
+struct Hold {
+    all: AtomicBool,
+    subscribes: AtomicBool,
+}
+
+impl Hold {
+    fn holds(&self, bytes: &[u8]) -> bool {
+        self.all.load(Ordering::SeqCst)
+            || (self.subscribes.load(Ordering::SeqCst)
+                && bytes
+                    .windows(9)
+                    .any(|w| w.eq_ignore_ascii_case(b"subscribe")))
+    }
+}
+
+/// Copies one direction of a connection, holding bytes as `hold` says.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    stalled: Arc<AtomicBool>,
+    hold: Arc<Hold>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -102,7 +126,7 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        while stalled.load(Ordering::SeqCst) {
+        while hold.holds(&buf[..n]) {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         if to.write_all(&buf[..n]).await.is_err() {

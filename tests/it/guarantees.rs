@@ -418,3 +418,41 @@ async fn waiters_whose_pubsub_connection_is_killed_subscribe_again_and_are_woken
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_subscribe_that_timed_out_leaves_no_subscription_behind() {
+    let env = TestEnv::new(10).await;
+    let redis: std::net::SocketAddr = env
+        .redis_url
+        .trim_start_matches("redis://")
+        .parse()
+        .expect("a host:port Redis URL");
+    let proxy = TcpProxy::start(redis).await;
+    env.set(&env.keys.lock(2), "outsider", Duration::from_secs(10))
+        .await;
+    let app = env
+        .spawn(&[
+            "--redis-url",
+            &format!("redis://{}", proxy.addr),
+            "--redis-timeout",
+            "200ms",
+        ])
+        .await;
+
+    // The waiter's SUBSCRIBE is held past REDIS_TIMEOUT: it fails open...
+    proxy.hold_subscribes(true);
+    let reply = app.get("/posts/2").await;
+    // ...and then reaches Redis after all, for a listener long gone.
+    proxy.hold_subscribes(false);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    assert_eq!(
+        (reply.status, reply.x_cache.as_deref()),
+        (200, Some("bypass"))
+    );
+    let channel = env.keys.channel(2);
+    wait_until("no subscription left", Duration::from_secs(5), async || {
+        env.numsub(&channel).await == 0 && app.state.read_path.subscriber().channels() == 0
+    })
+    .await;
+}
