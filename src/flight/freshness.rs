@@ -182,6 +182,33 @@ mod tests {
         ));
     }
 
+    /// Freshness is judged by each instance's wall clock against the
+    /// loader's: a skew of d moves the verdict by exactly d, no more. (The
+    /// value key's Redis TTL, on Redis's clock, bounds how long any instance
+    /// can serve it.)
+    #[test]
+    fn a_clock_skew_moves_the_verdict_by_the_skew() {
+        let entry = Entry::stamped(Status::Found, b"x", 10_000, 11_000, Duration::ZERO);
+        let grace = Duration::from_millis(500);
+        let skew = 200;
+        let at = |true_now: u64, skew: i64| {
+            judge(
+                Some(entry.clone()),
+                true_now.saturating_add_signed(skew),
+                grace,
+            )
+        };
+
+        // Ahead by 200 ms: stale 200 ms early, out of grace 200 ms early.
+        assert!(matches!(at(10_799, skew), Verdict::Fresh(_)));
+        assert!(matches!(at(10_800, skew), Verdict::StaleInGrace(_)));
+        assert!(matches!(at(11_300, skew), Verdict::Miss));
+        // Behind by 200 ms: fresh 200 ms longer, and no longer than that.
+        assert!(matches!(at(11_199, -skew), Verdict::Fresh(_)));
+        assert!(matches!(at(11_200, -skew), Verdict::StaleInGrace(_)));
+        assert!(matches!(at(11_700, -skew), Verdict::Miss));
+    }
+
     #[test]
     fn a_backoff_copy_is_settled_as_stale_and_a_marker_as_a_failure() {
         let entry = Entry::stamped(Status::Found, b"x", 0, 10, Duration::ZERO).as_backoff();

@@ -106,3 +106,26 @@ impl<S: Source> ReadPath<S> {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_refresh_that_panics_leaves_its_key_refreshable() {
+        let set: Arc<Mutex<HashSet<u32>>> = Arc::default();
+        let refreshing = Refreshing::enter(&set, &7).expect("not refreshing yet");
+        assert!(Refreshing::enter(&set, &7).is_none(), "one refresh per key");
+
+        let task = tokio::spawn(async move {
+            let _refreshing = refreshing;
+            panic!("the refresh exploded");
+        });
+
+        assert!(task.await.is_err());
+        assert!(
+            Refreshing::enter(&set, &7).is_some(),
+            "the key can be refreshed again"
+        );
+    }
+}
