@@ -1,10 +1,12 @@
 //! Metrics: a stampede and a fail-open episode move the counters exactly as
 //! they should. The recorder is process-wide, so this binary holds one test.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, time::Duration};
 
 use futures::future::join_all;
-use postcache::testkit::{available, fire, free_port, TableLock, TestApp, TestEnv, PATIENT};
+use postcache::testkit::{
+    available, fire, free_port, RedisServer, TableLock, TestApp, TestEnv, PATIENT,
+};
 
 /// Parses the Prometheus text format into `name{labels}` → value.
 fn parse(text: &str) -> HashMap<String, f64> {
@@ -103,6 +105,31 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     );
     assert_eq!(get(&after, "postcache_redis_breaker_state"), 1.0);
     promtool_accepts(&text);
+
+    // A half-open probe in flight: Redis stalls, the breaker opens, and after
+    // the cooldown the next request probes (and hangs up to REDIS_TIMEOUT).
+    let redis = RedisServer::start().await;
+    let stalling = env
+        .spawn(&["--redis-url", &redis.url(), "--redis-timeout", "1s"])
+        .await;
+    assert_eq!(stalling.get("/posts/1").await.status, 200);
+    redis.cli(&["client", "pause", "8000", "all"]);
+    for id in 2..=4 {
+        let reply = stalling.get(&format!("/posts/{id}")).await;
+        assert_eq!(reply.x_cache.as_deref(), Some("bypass"));
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let probe = stalling.http.spawn_get("/posts/5");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, during) = scrape(&stalling).await;
+    let (reply, _) = probe.await.unwrap();
+
+    assert_eq!(
+        get(&during, "postcache_redis_breaker_state"),
+        2.0,
+        "half-open"
+    );
+    assert_eq!(reply.x_cache.as_deref(), Some("bypass"));
 }
 
 /// `promtool check metrics` (CI installs promtool).
