@@ -113,6 +113,16 @@ pub fn fire(apps: &[TestApp], path: &str, n: usize) -> Vec<JoinHandle<(Reply, In
         .collect()
 }
 
+/// Waits for every request fired (each is bounded by the service's own
+/// REQUEST_TIMEOUT) and returns the replies with when they arrived.
+pub async fn answered(requests: Vec<JoinHandle<(Reply, Instant)>>) -> Vec<(Reply, Instant)> {
+    let mut replies = Vec::with_capacity(requests.len());
+    for request in requests {
+        replies.push(request.await.expect("the request task"));
+    }
+    replies
+}
+
 /// Reads not yet answered over `apps`.
 pub fn in_progress(apps: &[TestApp]) -> usize {
     apps.iter().map(TestApp::reads_in_progress).sum()

@@ -23,7 +23,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-pub use http::{fire, in_progress, Http, Reply, TestApp};
+pub use http::{answered, fire, in_progress, Http, Reply, TestApp};
 pub use process::{ServiceProcess, TcpProxy};
 pub use redis::{RedisCluster, RedisServer};
 pub use world::{blocked_loads, TableLock, TestEnv};

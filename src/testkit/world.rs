@@ -8,8 +8,8 @@ use rand::Rng;
 use sqlx::{postgres::PgPoolOptions, Connection, PgConnection, PgPool};
 
 use super::{
-    http::TestApp, in_progress, init_tracing, redis_url, server_url, wait_until, ServiceProcess,
-    A_WHILE,
+    http::TestApp, in_progress, init_tracing, postgres_port, redis_url, server_url, wait_until,
+    ServiceProcess, TcpProxy, A_WHILE,
 };
 use crate::{
     cache::{Entry, Keys},
@@ -170,6 +170,23 @@ impl TestEnv {
         vars.retain(|(name, _)| extra.iter().all(|(n, _)| n != name));
         vars.extend(extra.iter().cloned());
         ServiceProcess::start(&vars).await
+    }
+
+    /// The database URL of this world through a [`TcpProxy`] in front of
+    /// PostgreSQL, to cut or stall the service's connections.
+    pub async fn proxied_database(&self) -> (TcpProxy, String) {
+        let proxy = TcpProxy::start(([127, 0, 0, 1], postgres_port()).into()).await;
+        let url = format!("postgres://postgres@{}/{}", proxy.addr, self.db_name);
+        (proxy, url)
+    }
+
+    /// Waits until a waiter listens on post `id`'s ready channel.
+    pub async fn until_subscribed(&self, id: i64) {
+        let channel = self.keys.channel(id);
+        wait_until("a waiter to subscribe", A_WHILE, async || {
+            self.numsub(&channel).await >= 1
+        })
+        .await;
     }
 
     /// Waits until `n` reads are in progress over `apps` and a load is

@@ -8,10 +8,7 @@ use fred::prelude::*;
 use futures::future::join_all;
 use postcache::{
     cache::{Entry, Status},
-    testkit::{
-        fire, postgres_port, wait_until, RedisServer, TableLock, TcpProxy, TestApp, TestEnv,
-        A_WHILE, PATIENT,
-    },
+    testkit::{fire, wait_until, RedisServer, TableLock, TestApp, TestEnv, A_WHILE, PATIENT},
 };
 
 async fn statuses(
@@ -125,8 +122,7 @@ async fn a_slow_but_live_leader_keeps_its_lock_and_is_not_duplicated() {
     let env = TestEnv::new(10).await;
     // The load is slow on the way, not in the statement (DB_STATEMENT_TIMEOUT
     // stays below LOCK_TTL): a network that stalls for four lock lifetimes.
-    let proxy = TcpProxy::start(([127, 0, 0, 1], postgres_port()).into()).await;
-    let url = format!("postgres://postgres@{}/{}", proxy.addr, env.db_name);
+    let (proxy, url) = env.proxied_database().await;
     let before = env.post_reads().await;
     let flags = [
         "--database-url",
@@ -197,8 +193,7 @@ async fn the_statement_timeout_ends_a_load_that_would_run_for_ever() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_postgres_cut_requests_get_503_fast_and_recover_without_a_restart() {
     let env = TestEnv::new(10).await;
-    let proxy = TcpProxy::start(([127, 0, 0, 1], postgres_port()).into()).await;
-    let url = format!("postgres://postgres@{}/{}", proxy.addr, env.db_name);
+    let (proxy, url) = env.proxied_database().await;
     let app = env
         .spawn(&[
             "--database-url",

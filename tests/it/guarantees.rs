@@ -10,8 +10,7 @@ use postcache::{
     cache::{Entry, Status},
     flight::{RedisCommands, StoreFor},
     testkit::{
-        fire, postgres_port, wait_until, RedisServer, TableLock, TcpProxy, TestEnv, A_WHILE,
-        PATIENT,
+        answered, fire, wait_until, RedisServer, TableLock, TcpProxy, TestEnv, A_WHILE, PATIENT,
     },
 };
 
@@ -294,21 +293,13 @@ async fn a_finish_blocked_by_a_write_pause_is_retried_and_every_waiter_answered(
     let lock = TableLock::take(&env).await;
     let requests = fire(&apps, "/posts/5", 40);
     env.until_held(&apps, 40).await;
-    let channel = env.keys.channel(5);
-    wait_until("the other instance to wait", A_WHILE, async || {
-        env.numsub(&channel).await >= 1
-    })
-    .await;
+    env.until_subscribed(5).await;
 
     // Writes stall just as the load returns: the finish script times out.
     let pause = Duration::from_millis(800);
     redis.cli(&["client", "pause", &pause.as_millis().to_string(), "write"]);
     let released = lock.release().await;
-    let replies: Vec<_> = join_all(requests)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let replies: Vec<_> = answered(requests).await;
 
     let statuses: Vec<u16> = replies.iter().map(|(r, _)| r.status).collect();
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
@@ -326,8 +317,7 @@ async fn a_finish_blocked_by_a_write_pause_is_retried_and_every_waiter_answered(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_load_on_a_connection_that_stops_answering_ends_at_load_timeout() {
     let env = TestEnv::new(10).await;
-    let proxy = TcpProxy::start(([127, 0, 0, 1], postgres_port()).into()).await;
-    let url = format!("postgres://postgres@{}/{}", proxy.addr, env.db_name);
+    let (proxy, url) = env.proxied_database().await;
     let app = env
         .spawn(&[
             "--database-url",

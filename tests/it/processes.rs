@@ -3,10 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use futures::future::join_all;
 use postcache::testkit::{
-    available, blocked_loads, fire, free_port, wait_until, RedisServer, Reply, ServiceProcess,
-    TableLock, TestApp, TestEnv, A_WHILE,
+    answered, available, blocked_loads, fire, free_port, wait_until, RedisServer, Reply,
+    ServiceProcess, TableLock, TestApp, TestEnv, A_WHILE,
 };
 
 /// A leader in a process of its own, held inside its load of post `id` by a
@@ -84,19 +83,15 @@ async fn a_killed_leader_is_replaced_after_its_lock_expires_with_exactly_one_mor
     )
     .await;
     lock.release().await;
-    let answered: Vec<_> = join_all(waiting)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let replies: Vec<_> = answered(waiting).await;
     assert!(
         leader_request.await.unwrap().is_err(),
         "the killed leader answered"
     );
     waiter.stop().await;
 
-    assert!(answered.iter().all(|(r, _)| r.status == 200));
-    let slowest = answered.iter().map(|(_, at)| *at - killed).max().unwrap();
+    assert!(replies.iter().all(|(r, _)| r.status == 200));
+    let slowest = replies.iter().map(|(_, at)| *at - killed).max().unwrap();
     // LOCK_TTL (1 s) + one load + margin; the cancellation wait is inside it.
     assert!(
         slowest < Duration::from_millis(3_500),
@@ -119,7 +114,7 @@ async fn sigterm_lets_a_leader_finish_and_publish_so_remote_waiters_answer_promp
     leader.signal("TERM");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let released = lock.release().await;
-    let answered = join_all(waiting).await;
+    let replies = answered(waiting).await;
     let took = released.elapsed();
 
     assert_eq!(
@@ -127,7 +122,7 @@ async fn sigterm_lets_a_leader_finish_and_publish_so_remote_waiters_answer_promp
         200,
         "the in-flight request finished"
     );
-    assert!(answered.iter().all(|r| r.as_ref().unwrap().0.status == 200));
+    assert!(replies.iter().all(|(r, _)| r.status == 200));
     assert!(
         took < Duration::from_secs(2),
         "waiters answered {took:?} after the release"

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use futures::future::join_all;
-use postcache::testkit::{fire, wait_until, TableLock, TestEnv, A_WHILE, PATIENT};
+use postcache::testkit::{answered, fire, wait_until, TableLock, TestEnv, PATIENT};
 
 /// 1,000 concurrent requests for one cold post over 3 instances: one
 /// database read (counted by PostgreSQL), 1 miss and 999 coalesced, identical
@@ -70,11 +70,7 @@ pub async fn waiters_answer_within_milliseconds_of_the_release(env: &TestEnv) {
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let released = lock.release().await;
-    let results: Vec<_> = join_all(requests)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let results: Vec<_> = answered(requests).await;
 
     let mut after: Vec<Duration> = results.iter().map(|(_, done)| *done - released).collect();
     after.sort();
@@ -98,11 +94,8 @@ pub async fn waiters_survive_a_killed_pubsub_connection(env: &TestEnv, kill_pubs
     let lock = TableLock::take(env).await;
     let requests = fire(&apps, "/posts/6", 20);
     env.until_held(&apps, 20).await;
+    env.until_subscribed(6).await;
     let channel = env.keys.channel(6);
-    wait_until("a remote waiter", A_WHILE, async || {
-        env.numsub(&channel).await >= 1
-    })
-    .await;
 
     kill_pubsub();
     wait_until(
@@ -112,11 +105,7 @@ pub async fn waiters_survive_a_killed_pubsub_connection(env: &TestEnv, kill_pubs
     )
     .await;
     let released = lock.release().await;
-    let replies: Vec<_> = join_all(requests)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let replies: Vec<_> = answered(requests).await;
 
     assert!(replies.iter().all(|(r, _)| r.status == 200));
     let slowest = replies.iter().map(|(_, at)| *at - released).max().unwrap();

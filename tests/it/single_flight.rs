@@ -10,7 +10,7 @@ use futures::future::join_all;
 use postcache::{
     cache::{Entry, Status},
     flight::Hooks,
-    testkit::{fire, wait_until, TableLock, TestEnv, PATIENT},
+    testkit::{answered, fire, wait_until, TableLock, TestEnv, PATIENT},
 };
 
 use crate::scenarios;
@@ -136,11 +136,7 @@ async fn a_failed_load_gives_503_to_every_waiter_at_once_and_recovers_after_repa
     // Break the table under the blocked leader, then let it go.
     lock.execute("alter table posts rename to posts_away").await;
     let released = lock.commit().await;
-    let results: Vec<_> = join_all(requests)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let results: Vec<_> = answered(requests).await;
 
     assert!(
         results.iter().all(|(r, _)| r.status == 503),

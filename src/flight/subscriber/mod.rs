@@ -36,8 +36,7 @@ use super::{
 };
 use crate::telemetry::metrics;
 
-/// How often channels whose server-side state is uncertain are reconciled.
-const RECONCILE_EVERY: Duration = Duration::from_secs(1);
+mod upkeep;
 
 /// Notices buffered per channel; a flight reads them as they come, and a lagging
 /// listener only loses a wake-up it then replaces by a re-check.
@@ -105,9 +104,9 @@ impl Subscriber {
             slots: Mutex::new(HashMap::new()),
             uncertain: Mutex::default(),
         });
-        tokio::spawn(reconcile_uncertain(Arc::downgrade(&this)));
+        tokio::spawn(upkeep::reconcile_uncertain(Arc::downgrade(&this)));
         tokio::spawn(dispatch(Arc::downgrade(&this), this.client.message_rx()));
-        tokio::spawn(resubscribe_on_reconnect(
+        tokio::spawn(upkeep::resubscribe_on_reconnect(
             Arc::downgrade(&this),
             this.client.reconnect_rx(),
         ));
@@ -216,43 +215,6 @@ impl Subscriber {
         }
     }
 
-    /// UNSUBSCRIBE, or SUNSUBSCRIBE on a cluster.
-    async fn server_unsubscribe(&self, channel: &str) -> Result<(), fred::error::Error> {
-        if self.sharded {
-            self.client.sunsubscribe(channel).await
-        } else {
-            self.client.unsubscribe(channel).await
-        }
-    }
-
-    /// Makes the server's state of an uncertain channel match ours:
-    /// subscribed while it has listeners, else not. Returns whether it did.
-    async fn reconcile(self: &Arc<Self>, channel: &str) -> bool {
-        // A reference of our own keeps the slot while we work on it.
-        let mine = self.register(channel);
-        let mut subscribed = mine.slot.server_state.lock().await;
-        let listening = self.refs_of(channel, &mine.slot) > 1;
-        let done = if listening {
-            let again = tokio::time::timeout(self.timeout, self.server_subscribe(channel));
-            let done = matches!(again.await, Ok(Ok(())));
-            if done && !*subscribed {
-                *subscribed = true;
-                metrics::subscribed_channels(1.0);
-            }
-            done
-        } else {
-            let gone = tokio::time::timeout(self.timeout, self.server_unsubscribe(channel));
-            let done = matches!(gone.await, Ok(Ok(())));
-            if done && *subscribed {
-                *subscribed = false;
-                metrics::subscribed_channels(-1.0);
-            }
-            done
-        };
-        drop(subscribed);
-        done
-    }
-
     /// SUBSCRIBE, or SSUBSCRIBE on a cluster.
     async fn server_subscribe(&self, channel: &str) -> Result<(), fred::error::Error> {
         if self.sharded {
@@ -262,28 +224,12 @@ impl Subscriber {
         }
     }
 
-    /// After a reconnect: subscribes again to every channel the server should
-    /// have, each under its lock, then has its listeners re-check the cache.
-    async fn resubscribe(&self) {
-        let slots: Vec<(String, Arc<Slot>)> = self
-            .lock_slots()
-            .iter()
-            .map(|(channel, r)| (channel.clone(), r.slot.clone()))
-            .collect();
-        for (channel, slot) in slots {
-            let mut subscribed = slot.server_state.lock().await;
-            if *subscribed {
-                let again = tokio::time::timeout(self.timeout, self.server_subscribe(&channel));
-                if !matches!(again.await, Ok(Ok(()))) {
-                    // Its listeners still wake at the lock's expiry; the next
-                    // listener of the channel subscribes again.
-                    tracing::warn!(channel, "re-subscribing after a reconnect failed");
-                    *subscribed = false;
-                    metrics::subscribed_channels(-1.0);
-                }
-            }
-            drop(subscribed);
-            let _ = slot.sender.send(Notice::Recheck);
+    /// UNSUBSCRIBE, or SUNSUBSCRIBE on a cluster.
+    async fn server_unsubscribe(&self, channel: &str) -> Result<(), fred::error::Error> {
+        if self.sharded {
+            self.client.sunsubscribe(channel).await
+        } else {
+            self.client.unsubscribe(channel).await
         }
     }
 
@@ -389,43 +335,6 @@ async fn dispatch(
                 tracing::warn!(lost, "subscriber lagged; waking every listener to re-check");
                 owner.notify_all(Notice::Recheck);
             }
-            Err(broadcast::error::RecvError::Closed) => return,
-        }
-    }
-}
-
-/// Every RECONCILE_EVERY, reconciles the channels whose server-side state
-/// is uncertain; those that fail stay for the next round.
-async fn reconcile_uncertain(owner: std::sync::Weak<Subscriber>) {
-    let mut every = tokio::time::interval(RECONCILE_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        every.tick().await;
-        let Some(owner) = owner.upgrade() else { return };
-        let channels: Vec<String> = owner
-            .uncertain
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .drain()
-            .collect();
-        for channel in channels {
-            if !owner.reconcile(&channel).await {
-                owner.set_uncertain(&channel, true);
-            }
-        }
-    }
-}
-
-/// After a reconnect: subscribe again, then re-check (see the module doc).
-async fn resubscribe_on_reconnect(
-    owner: std::sync::Weak<Subscriber>,
-    mut reconnects: broadcast::Receiver<fred::types::config::Server>,
-) {
-    loop {
-        let received = reconnects.recv().await;
-        let Some(owner) = owner.upgrade() else { return };
-        match received {
-            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => owner.resubscribe().await,
             Err(broadcast::error::RecvError::Closed) => return,
         }
     }

@@ -1,0 +1,70 @@
+//! The read path's settings, built from the serve settings.
+
+use std::time::Duration;
+
+#[cfg(feature = "testkit")]
+use super::Hooks;
+use super::{strategy, Wake};
+use crate::{
+    cache::Jitter,
+    config::{ServeArgs, Strategy},
+};
+
+/// The lifetimes and bounds the read path works with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The load-lab strategy (read only by `strategy.rs`).
+    pub strategy: Strategy,
+    /// How waiters learn that the leader is done.
+    pub wake: Wake,
+    /// Freshness of a found entry.
+    pub cache_ttl: Duration,
+    /// Lifetime of a not-found entry.
+    pub negative_ttl: Duration,
+    pub jitter: Jitter,
+    /// Lifetime of the leader lock (extended by the watchdog while loading).
+    pub lock_ttl: Duration,
+    /// Longest a flight waits for another's load, and a request for the
+    /// flight of another request of this process.
+    pub wait_timeout: Duration,
+    /// Longest a load may take, whatever the connection does.
+    pub load_timeout: Duration,
+    /// Bound on each Redis command.
+    pub redis_timeout: Duration,
+    /// Grace window after freshness during which a stale entry is served
+    /// while one background refresh runs (0 = off).
+    pub stale_while_revalidate: Duration,
+    /// XFetch β: a fresh hit refreshes early with probability
+    /// exp(−remaining / (β·load time)) (0 = off).
+    pub early_refresh_beta: f64,
+    /// How long past freshness a fail-safe copy is kept for failures (0 = off).
+    pub max_stale: Duration,
+    /// How long a failure is remembered (the backoff), fleet-wide (0 = off).
+    pub failure_ttl: Duration,
+    /// Observation points for tests and benchmarks.
+    #[cfg(feature = "testkit")]
+    pub hooks: Hooks,
+}
+
+impl From<&ServeArgs> for Settings {
+    fn from(args: &ServeArgs) -> Self {
+        let c = &args.cache;
+        Self {
+            strategy: c.cache_strategy,
+            wake: strategy::wake(c.cache_strategy, c.poll_interval),
+            cache_ttl: c.cache_ttl,
+            negative_ttl: c.negative_ttl,
+            jitter: Jitter::new(c.ttl_jitter),
+            lock_ttl: c.lock_ttl,
+            wait_timeout: c.wait_timeout,
+            load_timeout: args.load_timeout(),
+            redis_timeout: c.redis_timeout,
+            stale_while_revalidate: c.stale_while_revalidate,
+            early_refresh_beta: c.early_refresh_beta,
+            max_stale: c.max_stale,
+            failure_ttl: c.failure_ttl,
+            #[cfg(feature = "testkit")]
+            hooks: Hooks::default(),
+        }
+    }
+}

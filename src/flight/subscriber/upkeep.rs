@@ -1,0 +1,108 @@
+//! Keeping the server's subscriptions right: after a reconnect (subscribe
+//! again, then re-check) and after a SUBSCRIBE or UNSUBSCRIBE whose effect
+//! is unknown (reconcile).
+
+use std::{
+    sync::{Arc, PoisonError, Weak},
+    time::Duration,
+};
+
+use tokio::sync::broadcast;
+
+use super::{Notice, Slot, Subscriber};
+use crate::telemetry::metrics;
+
+/// How often channels whose server-side state is uncertain are reconciled.
+const RECONCILE_EVERY: Duration = Duration::from_secs(1);
+
+impl Subscriber {
+    /// Makes the server's state of an uncertain channel match ours:
+    /// subscribed while it has listeners, else not. Returns whether it did.
+    async fn reconcile(self: &Arc<Self>, channel: &str) -> bool {
+        // A reference of our own keeps the slot while we work on it.
+        let mine = self.register(channel);
+        let mut subscribed = mine.slot.server_state.lock().await;
+        let listening = self.refs_of(channel, &mine.slot) > 1;
+        let done = if listening {
+            let again = tokio::time::timeout(self.timeout, self.server_subscribe(channel));
+            let done = matches!(again.await, Ok(Ok(())));
+            if done && !*subscribed {
+                *subscribed = true;
+                metrics::subscribed_channels(1.0);
+            }
+            done
+        } else {
+            let gone = tokio::time::timeout(self.timeout, self.server_unsubscribe(channel));
+            let done = matches!(gone.await, Ok(Ok(())));
+            if done && *subscribed {
+                *subscribed = false;
+                metrics::subscribed_channels(-1.0);
+            }
+            done
+        };
+        drop(subscribed);
+        done
+    }
+
+    /// After a reconnect: subscribes again to every channel the server should
+    /// have, each under its lock, then has its listeners re-check the cache.
+    async fn resubscribe(&self) {
+        let slots: Vec<(String, Arc<Slot>)> = self
+            .lock_slots()
+            .iter()
+            .map(|(channel, r)| (channel.clone(), r.slot.clone()))
+            .collect();
+        for (channel, slot) in slots {
+            let mut subscribed = slot.server_state.lock().await;
+            if *subscribed {
+                let again = tokio::time::timeout(self.timeout, self.server_subscribe(&channel));
+                if !matches!(again.await, Ok(Ok(()))) {
+                    // Its listeners still wake at the lock's expiry; the next
+                    // listener of the channel subscribes again.
+                    tracing::warn!(channel, "re-subscribing after a reconnect failed");
+                    *subscribed = false;
+                    metrics::subscribed_channels(-1.0);
+                }
+            }
+            drop(subscribed);
+            let _ = slot.sender.send(Notice::Recheck);
+        }
+    }
+}
+
+/// Every RECONCILE_EVERY, reconciles the channels whose server-side state
+/// is uncertain; those that fail stay for the next round.
+pub(super) async fn reconcile_uncertain(owner: Weak<Subscriber>) {
+    let mut every = tokio::time::interval(RECONCILE_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let Some(owner) = owner.upgrade() else { return };
+        let channels: Vec<String> = owner
+            .uncertain
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+            .collect();
+        for channel in channels {
+            if !owner.reconcile(&channel).await {
+                owner.set_uncertain(&channel, true);
+            }
+        }
+    }
+}
+
+/// After a reconnect: subscribe again, then re-check (see the module doc).
+pub(super) async fn resubscribe_on_reconnect(
+    owner: Weak<Subscriber>,
+    mut reconnects: broadcast::Receiver<fred::types::config::Server>,
+) {
+    loop {
+        let received = reconnects.recv().await;
+        let Some(owner) = owner.upgrade() else { return };
+        match received {
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => owner.resubscribe().await,
+            Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
