@@ -446,3 +446,38 @@ async fn a_subscribe_that_timed_out_leaves_no_subscription_behind() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_whose_resubscription_is_held_still_hears_of_the_finish() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(10, redis.url()).await;
+    let proxy = TcpProxy::start(([127, 0, 0, 1], redis.port).into()).await;
+    let via_proxy = format!("redis://{}", proxy.addr);
+    let flags = [
+        PATIENT,
+        &["--redis-url", &via_proxy, "--redis-timeout", "200ms"],
+    ]
+    .concat();
+    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
+    let lock = TableLock::take(&env).await;
+    let requests = fire(&apps, "/posts/6", 20);
+    env.until_held(&apps, 20).await;
+    env.until_subscribed(6).await;
+
+    // The waiting instance's pub/sub connection drops; it reconnects, but
+    // its SUBSCRIBE is held until after the leader has published.
+    proxy.hold_subscribes(true);
+    redis.cli(&["client", "kill", "type", "pubsub"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let released = lock.release().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.hold_subscribes(false);
+    let replies = answered(requests).await;
+
+    assert!(replies.iter().all(|(r, _)| r.status == 200));
+    let slowest = replies.iter().map(|(_, at)| *at - released).max().unwrap();
+    assert!(
+        slowest < Duration::from_millis(2_500),
+        "the last waiter answered {slowest:?} after the release"
+    );
+}

@@ -16,6 +16,19 @@ use crate::telemetry::metrics;
 const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 
 impl Subscriber {
+    /// SUBSCRIBE and its confirmation (see [`Subscriber::confirm`]), bounded
+    /// by REDIS_TIMEOUT: whether the server now has the channel.
+    async fn subscribe_confirmed(&self, channel: &str) -> bool {
+        let confirmed = async {
+            self.server_subscribe(channel).await?;
+            self.confirm(channel).await
+        };
+        matches!(
+            tokio::time::timeout(self.timeout, confirmed).await,
+            Ok(Ok(()))
+        )
+    }
+
     /// Makes the server's state of an uncertain channel match ours:
     /// subscribed while it has listeners, else not. Returns whether it did.
     async fn reconcile(self: &Arc<Self>, channel: &str) -> bool {
@@ -24,11 +37,14 @@ impl Subscriber {
         let mut subscribed = mine.slot.server_state.lock().await;
         let listening = self.refs_of(channel, &mine.slot) > 1;
         let done = if listening {
-            let again = tokio::time::timeout(self.timeout, self.server_subscribe(channel));
-            let done = matches!(again.await, Ok(Ok(())));
-            if done && !*subscribed {
-                *subscribed = true;
-                metrics::subscribed_channels(1.0);
+            let done = self.subscribe_confirmed(channel).await;
+            if done {
+                if !*subscribed {
+                    *subscribed = true;
+                    metrics::subscribed_channels(1.0);
+                }
+                // Messages published while it was not subscribed are lost.
+                let _ = mine.slot.sender.send(Notice::Recheck);
             }
             done
         } else {
@@ -46,6 +62,8 @@ impl Subscriber {
 
     /// After a reconnect: subscribes again to every channel the server should
     /// have, each under its lock, then has its listeners re-check the cache.
+    /// A channel that cannot be subscribed again now is left uncertain: the
+    /// reconciliation subscribes it, and has its listeners re-check, later.
     async fn resubscribe(&self) {
         let slots: Vec<(String, Arc<Slot>)> = self
             .lock_slots()
@@ -54,15 +72,14 @@ impl Subscriber {
             .collect();
         for (channel, slot) in slots {
             let mut subscribed = slot.server_state.lock().await;
-            if *subscribed {
-                let again = tokio::time::timeout(self.timeout, self.server_subscribe(&channel));
-                if !matches!(again.await, Ok(Ok(()))) {
-                    // Its listeners still wake at the lock's expiry; the next
-                    // listener of the channel subscribes again.
-                    tracing::warn!(channel, "re-subscribing after a reconnect failed");
-                    *subscribed = false;
-                    metrics::subscribed_channels(-1.0);
-                }
+            if *subscribed && !self.subscribe_confirmed(&channel).await {
+                tracing::warn!(
+                    channel,
+                    "re-subscribing after a reconnect failed; reconciling"
+                );
+                *subscribed = false;
+                metrics::subscribed_channels(-1.0);
+                self.set_uncertain(&channel, true);
             }
             drop(subscribed);
             let _ = slot.sender.send(Notice::Recheck);
