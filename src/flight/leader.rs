@@ -127,6 +127,35 @@ impl<S: Source> ReadPath<S> {
         });
     }
 
+    /// After a lock attempt that failed without an answer (a timeout, a
+    /// dropped connection), the SET NX may still run later, when Redis
+    /// catches up or when the client replays it after a reconnect, leaving
+    /// a lock nobody holds until LOCK_TTL and its waiters to WAIT_TIMEOUT.
+    /// Releasing it (token-checked, never refused by the breaker) is queued
+    /// behind it and retried with backoff for up to LOCK_TTL.
+    pub(super) fn release_in_background(&self, lock: String, token: String) {
+        let redis = self.redis.clone();
+        let give_up = Instant::now() + self.settings.lock_ttl;
+        self.tasks.spawn(async move {
+            let mut backoff = FINISH_RETRY_FIRST;
+            loop {
+                match redis.release(&lock, &token).await {
+                    Ok(released) => {
+                        if released {
+                            tracing::info!(lock, "released a lock taken after its attempt gave up");
+                        }
+                        return;
+                    }
+                    Err(_) if Instant::now() >= give_up => return,
+                    Err(_) => {
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(FINISH_RETRY_MAX);
+                    }
+                }
+            }
+        });
+    }
+
     /// Loads while a watchdog extends the lock every third of LOCK_TTL, so a
     /// slow but live leader is not taken over; a dead one stops extending and
     /// its lock expires after LOCK_TTL.

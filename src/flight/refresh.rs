@@ -95,6 +95,7 @@ impl<S: Source> ReadPath<S> {
                     Ok(false) => metrics::refresh("lost"),
                     Err(error) => {
                         tracing::debug!(%error, "background refresh skipped");
+                        this.forget_attempt(&error, &keys, &token);
                         metrics::refresh("failed");
                     }
                 }

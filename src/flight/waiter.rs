@@ -29,7 +29,7 @@ use super::{
     leader::lock_token,
     redis::LockTtl,
     subscriber::{Notice, Subscription},
-    Outcome, ReadError, ReadPath, Served, Source,
+    Outcome, ReadError, ReadPath, RedisError, Served, Source,
 };
 use crate::{
     cache::{now_millis, Entry, ItemKeys},
@@ -100,8 +100,14 @@ impl<S: Source> ReadPath<S> {
                     return self.lead(key, &keys, &token, None).await;
                 }
                 Ok(Ok(false)) => {}
-                Ok(Err(error)) => return self.fail_open(key, error).await,
-                Err(_elapsed) => return Err(ReadError::Timeout),
+                Ok(Err(error)) => {
+                    self.forget_attempt(&error, &keys, &token);
+                    return self.fail_open(key, error).await;
+                }
+                Err(_elapsed) => {
+                    self.release_in_background(keys.lock.clone(), token.clone());
+                    return Err(ReadError::Timeout);
+                }
             }
             let w = match &mut waiting {
                 Some(w) => w,
@@ -141,6 +147,14 @@ impl<S: Source> ReadPath<S> {
                 Ok(Err(error)) => return self.fail_open(key, error).await,
                 Err(_elapsed) => return self.timed_out(w),
             }
+        }
+    }
+
+    /// A lock attempt that went out but got no answer may still take the
+    /// lock: release it behind it (a refused attempt never went out).
+    pub(super) fn forget_attempt(&self, error: &RedisError, keys: &ItemKeys, token: &str) {
+        if !matches!(error, RedisError::CircuitOpen) {
+            self.release_in_background(keys.lock.clone(), token.to_owned());
         }
     }
 

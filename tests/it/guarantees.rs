@@ -481,3 +481,31 @@ async fn a_waiter_whose_resubscription_is_held_still_hears_of_the_finish() {
         "the last waiter answered {slowest:?} after the release"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_attempt_that_timed_out_leaves_no_lock_behind() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(10, redis.url()).await;
+    let apps = join_all((0..2).map(|_| env.spawn(&["--redis-timeout", "200ms"]))).await;
+
+    // Both the GET and the SET NX time out: the request fails open. The SET
+    // still runs when the pause ends, taking a lock nobody will finish.
+    redis.cli(&["client", "pause", "1000", "all"]);
+    let stalled = apps[0].get("/posts/3").await;
+    assert_eq!(redis.cli(&["ping"]), "PONG", "the pause is over");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let after = apps[1].get("/posts/3").await;
+    let took = started.elapsed();
+
+    assert_eq!(
+        (stalled.status, stalled.x_cache.as_deref()),
+        (200, Some("bypass"))
+    );
+    assert_eq!(
+        (after.status, after.x_cache.as_deref()),
+        (200, Some("miss"))
+    );
+    assert!(took < Duration::from_secs(1), "answered after {took:?}");
+    assert_eq!(env.pttl(&env.keys.lock(3)).await, -2, "no lock left");
+}
