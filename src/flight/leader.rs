@@ -2,19 +2,60 @@
 //! key loads it, keeps the lock alive while it loads, and finishes in one
 //! round trip (store, publish, release).
 
-use std::time::{Duration, Instant};
+use std::{
+    future::Future,
+    time::{Duration, Instant},
+};
 
 use rand::Rng;
 
 use super::{
     freshness::{judge, store_for, Lifetimes, StoreFor, Verdict},
-    Answer, Outcome, ReadPath, Served, Source,
+    Answer, Outcome, ReadPath, RedisError, Served, Source,
 };
 use crate::cache::{now_millis, Entry, ItemKeys, Status};
 
-/// The first pause before a finish is retried; it doubles up to the second.
-const FINISH_RETRY_FIRST: Duration = Duration::from_millis(20);
-const FINISH_RETRY_MAX: Duration = Duration::from_millis(100);
+/// The first pause before lock hygiene (a finish, a release) is retried;
+/// it doubles up to the second.
+const RETRY_FIRST: Duration = Duration::from_millis(20);
+const RETRY_MAX: Duration = Duration::from_millis(100);
+
+/// Runs `attempt` until it succeeds or `give_up` has passed, pausing with
+/// backoff in between; the last error if it never succeeded.
+async fn with_backoff<T, F, Fut>(give_up: Instant, mut attempt: F) -> Result<T, RedisError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, RedisError>>,
+{
+    let mut backoff = RETRY_FIRST;
+    loop {
+        match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(error) if Instant::now() >= give_up => return Err(error),
+            Err(_) => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}
+
+/// A lock attempt until Redis answers it (see [`ReadPath::try_lock`]).
+struct Attempt<'a, S: Source> {
+    path: &'a ReadPath<S>,
+    lock: &'a str,
+    token: &'a str,
+    answered: bool,
+}
+
+impl<S: Source> Drop for Attempt<'_, S> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.path
+                .release_in_background(self.lock.to_owned(), self.token.to_owned());
+        }
+    }
+}
 
 /// A random token naming one leader's hold on a lock: only its holder may
 /// extend or release it.
@@ -100,6 +141,29 @@ impl<S: Source> ReadPath<S> {
         }
     }
 
+    /// Tries to take `keys.lock` with `token` (SET NX PX LOCK_TTL).
+    ///
+    /// An attempt that ends without an answer (a timeout, a dropped
+    /// connection, or its future dropped) may still run later, when Redis
+    /// catches up or the client replays it after a reconnect, leaving a lock
+    /// nobody holds until LOCK_TTL and its waiters to WAIT_TIMEOUT: the
+    /// [`Attempt`] guard then queues a token-checked release behind it.
+    pub(super) async fn try_lock(&self, keys: &ItemKeys, token: &str) -> Result<bool, RedisError> {
+        let mut attempt = Attempt {
+            path: self,
+            lock: &keys.lock,
+            token,
+            answered: false,
+        };
+        let result = self
+            .redis
+            .try_lock(&keys.lock, token, self.settings.lock_ttl)
+            .await;
+        // An answer, or a refusal by the breaker: nothing went out.
+        attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
+        result
+    }
+
     /// Retries a failed finish (store, publish, release) with backoff until
     /// it gets through, or until LOCK_TTL has passed: by then the lock has
     /// expired and the waiters have woken to look for themselves. A finish
@@ -109,49 +173,27 @@ impl<S: Source> ReadPath<S> {
         let redis = self.redis.clone();
         let give_up = Instant::now() + self.settings.lock_ttl;
         self.tasks.spawn(async move {
-            let mut backoff = FINISH_RETRY_FIRST;
-            loop {
-                tokio::time::sleep(backoff).await;
-                match redis.finish(&keys, &token, &entry, store).await {
-                    Ok(_) => {
-                        tracing::info!(lock = keys.lock, "finished on a retry");
-                        return;
-                    }
-                    Err(error) if Instant::now() >= give_up => {
-                        tracing::warn!(%error, lock = keys.lock, "gave up finishing; the lock expires by itself");
-                        return;
-                    }
-                    Err(_) => backoff = (backoff * 2).min(FINISH_RETRY_MAX),
+            // The first attempt has just failed.
+            tokio::time::sleep(RETRY_FIRST).await;
+            let finish = || redis.finish(&keys, &token, &entry, store);
+            match with_backoff(give_up, finish).await {
+                Ok(_) => tracing::info!(lock = keys.lock, "finished on a retry"),
+                Err(error) => {
+                    tracing::warn!(%error, lock = keys.lock, "gave up finishing; the lock expires by itself")
                 }
             }
         });
     }
 
-    /// After a lock attempt that failed without an answer (a timeout, a
-    /// dropped connection), the SET NX may still run later, when Redis
-    /// catches up or when the client replays it after a reconnect, leaving
-    /// a lock nobody holds until LOCK_TTL and its waiters to WAIT_TIMEOUT.
-    /// Releasing it (token-checked, never refused by the breaker) is queued
-    /// behind it and retried with backoff for up to LOCK_TTL.
-    pub(super) fn release_in_background(&self, lock: String, token: String) {
+    /// Releases `lock` if it holds `token`, in the background, retried with
+    /// backoff for up to LOCK_TTL; never refused by the breaker.
+    fn release_in_background(&self, lock: String, token: String) {
         let redis = self.redis.clone();
         let give_up = Instant::now() + self.settings.lock_ttl;
         self.tasks.spawn(async move {
-            let mut backoff = FINISH_RETRY_FIRST;
-            loop {
-                match redis.release(&lock, &token).await {
-                    Ok(released) => {
-                        if released {
-                            tracing::info!(lock, "released a lock taken after its attempt gave up");
-                        }
-                        return;
-                    }
-                    Err(_) if Instant::now() >= give_up => return,
-                    Err(_) => {
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(FINISH_RETRY_MAX);
-                    }
-                }
+            let release = || redis.release(&lock, &token);
+            if let Ok(true) = with_backoff(give_up, release).await {
+                tracing::info!(lock, "released a lock taken after its attempt gave up");
             }
         });
     }

@@ -192,20 +192,28 @@ mod tests {
         assert!(flights.is_empty());
     }
 
+    /// Starts the flight of key 1 in a task of its own: it runs `ms`
+    /// milliseconds and yields `value`.
+    fn owner(
+        flights: &Arc<Flights<u32, u32>>,
+        ms: u64,
+        value: u32,
+    ) -> tokio::task::JoinHandle<(Role, Result<u32, Unshared>)> {
+        let flights = flights.clone();
+        tokio::spawn(async move {
+            flights
+                .run(1, PATIENCE, || async move {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    value
+                })
+                .await
+        })
+    }
+
     #[tokio::test]
     async fn a_cancelled_owner_does_not_cancel_the_run() {
         let flights = Arc::new(Flights::<u32, u32>::default());
-        let owner = {
-            let flights = flights.clone();
-            tokio::spawn(async move {
-                flights
-                    .run(1, PATIENCE, || async {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        9
-                    })
-                    .await
-            })
-        };
+        let owner = owner(&flights, 50, 9);
         tokio::time::sleep(Duration::from_millis(5)).await;
         owner.abort();
         let (role, v) = flights.run(1, PATIENCE, || async { unreachable!() }).await;
@@ -241,17 +249,7 @@ mod tests {
     #[tokio::test]
     async fn a_joiner_stops_waiting_after_its_patience() {
         let flights = Arc::new(Flights::<u32, u32>::default());
-        let owner = {
-            let flights = flights.clone();
-            tokio::spawn(async move {
-                flights
-                    .run(1, PATIENCE, || async {
-                        tokio::time::sleep(Duration::from_millis(300)).await;
-                        3
-                    })
-                    .await
-            })
-        };
+        let owner = owner(&flights, 300, 3);
         tokio::time::sleep(Duration::from_millis(5)).await;
 
         let (role, joined) = flights

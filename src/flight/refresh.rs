@@ -80,11 +80,7 @@ impl<S: Source> ReadPath<S> {
                 let _refreshing = refreshing;
                 let keys = this.keys.item(&key);
                 let token = lock_token();
-                match this
-                    .redis
-                    .try_lock(&keys.lock, &token, this.settings.lock_ttl)
-                    .await
-                {
+                match this.try_lock(&keys, &token).await {
                     Ok(true) => {
                         let result = match this.lead(&key, &keys, &token, seen).await {
                             Err(_) => "failed",
@@ -95,7 +91,6 @@ impl<S: Source> ReadPath<S> {
                     Ok(false) => metrics::refresh("lost"),
                     Err(error) => {
                         tracing::debug!(%error, "background refresh skipped");
-                        this.forget_attempt(&error, &keys, &token);
                         metrics::refresh("failed");
                     }
                 }

@@ -29,7 +29,7 @@ use super::{
     leader::lock_token,
     redis::LockTtl,
     subscriber::{Notice, Subscription},
-    Outcome, ReadError, ReadPath, RedisError, Served, Source,
+    Outcome, ReadError, ReadPath, Served, Source,
 };
 use crate::{
     cache::{now_millis, Entry, ItemKeys},
@@ -88,10 +88,7 @@ impl<S: Source> ReadPath<S> {
                     return self.timed_out(w);
                 }
             }
-            let lock = self
-                .redis
-                .try_lock(&keys.lock, &token, self.settings.lock_ttl);
-            match tokio::time::timeout_at(hard, lock).await {
+            match tokio::time::timeout_at(hard, self.try_lock(&keys, &token)).await {
                 Ok(Ok(true)) => {
                     if let Some(w) = &waiting {
                         self.wait_ended(w, "takeover");
@@ -100,14 +97,8 @@ impl<S: Source> ReadPath<S> {
                     return self.lead(key, &keys, &token, None).await;
                 }
                 Ok(Ok(false)) => {}
-                Ok(Err(error)) => {
-                    self.forget_attempt(&error, &keys, &token);
-                    return self.fail_open(key, error).await;
-                }
-                Err(_elapsed) => {
-                    self.release_in_background(keys.lock.clone(), token.clone());
-                    return Err(ReadError::Timeout);
-                }
+                Ok(Err(error)) => return self.fail_open(key, error).await,
+                Err(_elapsed) => return Err(ReadError::Timeout),
             }
             let w = match &mut waiting {
                 Some(w) => w,
@@ -147,14 +138,6 @@ impl<S: Source> ReadPath<S> {
                 Ok(Err(error)) => return self.fail_open(key, error).await,
                 Err(_elapsed) => return self.timed_out(w),
             }
-        }
-    }
-
-    /// A lock attempt that went out but got no answer may still take the
-    /// lock: release it behind it (a refused attempt never went out).
-    pub(super) fn forget_attempt(&self, error: &RedisError, keys: &ItemKeys, token: &str) {
-        if !matches!(error, RedisError::CircuitOpen) {
-            self.release_in_background(keys.lock.clone(), token.to_owned());
         }
     }
 

@@ -190,6 +190,11 @@ async fn a_failed_early_refresh_leaves_a_fresh_entry_as_it_is() {
     assert!(!kept.is_backoff());
 }
 
+/// A found entry loaded now, fresh for a minute.
+fn found(body: &[u8]) -> Entry {
+    Entry::new(Status::Found, body, Duration::from_secs(60), Duration::ZERO)
+}
+
 /// Two leaders of one key: the first's lock expired and the second took it.
 async fn two_leaders(env: &TestEnv) -> (RedisCommands, Entry, Entry) {
     let commands = RedisCommands::new(env.redis.clone(), Duration::from_secs(1));
@@ -198,23 +203,13 @@ async fn two_leaders(env: &TestEnv) -> (RedisCommands, Entry, Entry) {
         .try_lock(&lock, "old-leader", Duration::from_millis(50))
         .await
         .unwrap());
-    let older = Entry::new(
-        Status::Found,
-        br#"{"v":"old"}"#,
-        Duration::from_secs(60),
-        Duration::ZERO,
-    );
+    let older = found(br#"{"v":"old"}"#);
     tokio::time::sleep(Duration::from_millis(80)).await;
     assert!(commands
         .try_lock(&lock, "new-leader", Duration::from_secs(10))
         .await
         .unwrap());
-    let newer = Entry::new(
-        Status::Found,
-        br#"{"v":"new"}"#,
-        Duration::from_secs(60),
-        Duration::ZERO,
-    );
+    let newer = found(br#"{"v":"new"}"#);
     (commands, older, newer)
 }
 

@@ -137,11 +137,7 @@ impl Subscriber {
             // Uncertain until confirmed: the SUBSCRIBE may fail, time out or
             // be cancelled and still reach the server.
             self.set_uncertain(channel, true);
-            let confirmed = async {
-                self.server_subscribe(channel).await?;
-                self.confirm(channel).await
-            };
-            guarded(&self.breaker, self.timeout, confirmed).await?;
+            guarded(&self.breaker, self.timeout, self.server_subscribe(channel)).await?;
             self.set_uncertain(channel, false);
             *subscribed = true;
             metrics::subscribed_channels(1.0);
@@ -215,13 +211,15 @@ impl Subscriber {
         }
     }
 
-    /// SUBSCRIBE, or SSUBSCRIBE on a cluster.
+    /// SUBSCRIBE (SSUBSCRIBE on a cluster), confirmed: returns once the
+    /// server has processed it (see [`Subscriber::confirm`]).
     async fn server_subscribe(&self, channel: &str) -> Result<(), fred::error::Error> {
         if self.sharded {
-            self.client.ssubscribe(channel).await
+            self.client.ssubscribe(channel).await?;
         } else {
-            self.client.subscribe(channel).await
+            self.client.subscribe(channel).await?;
         }
+        self.confirm(channel).await
     }
 
     /// UNSUBSCRIBE, or SUNSUBSCRIBE on a cluster.
