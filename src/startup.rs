@@ -10,6 +10,7 @@ use fred::{
     types::config::{Config as RedisConfig, ReconnectPolicy},
 };
 use tokio::net::TcpListener;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::{
     cache::Keys,
@@ -28,9 +29,13 @@ const REDIS_STARTUP_WAIT: Duration = Duration::from_secs(2);
 const DRAIN_LIMIT: Duration = Duration::from_secs(10);
 /// Longest a shutdown waits for each of Redis's QUIT and the pool's close.
 const QUIT_LIMIT: Duration = Duration::from_secs(2);
-/// Reconnect delays: from 50 ms doubling up to 1 s, for ever.
+/// Reconnect delays: from 50 ms doubling up to 100 ms, for ever, plus up to
+/// RECONNECT_JITTER_MS. Short, because a Redis that comes back empty must be
+/// found within a fraction of a second (the read path fails open meanwhile,
+/// loading from PostgreSQL); a refused connection costs Redis nothing.
 const RECONNECT_MIN_MS: u32 = 50;
-const RECONNECT_MAX_MS: u32 = 1_000;
+const RECONNECT_MAX_MS: u32 = 100;
+const RECONNECT_JITTER_MS: u32 = 50;
 
 /// A built, bound, not yet running service.
 pub struct Application {
@@ -39,6 +44,8 @@ pub struct Application {
     state: AppState,
     redis: Client,
     subscriber: SubscriberClient,
+    /// Loads the scripts on every new Redis connection while the service runs.
+    _scripts: AbortOnDropHandle<()>,
 }
 
 impl Application {
@@ -66,10 +73,12 @@ impl Application {
         let (redis, subscriber) = connect_redis(&args).await?;
         let c = &args.cache;
         let breaker = Arc::new(Breaker::default());
+        let commands = RedisCommands::with_breaker(redis.clone(), c.redis_timeout, breaker.clone());
+        let scripts = commands.keep_scripts_loaded();
         let read_path = ReadPath::new(
             PostStore::new(pool.clone()),
             Keys::new(c.key_prefix.clone(), "post"),
-            RedisCommands::with_breaker(redis.clone(), c.redis_timeout, breaker.clone()),
+            commands,
             Subscriber::start(subscriber.clone(), c.redis_timeout, breaker),
             settings,
         );
@@ -91,6 +100,7 @@ impl Application {
             state,
             redis,
             subscriber,
+            _scripts: scripts,
         })
     }
 
@@ -188,17 +198,22 @@ async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberCl
     let config = redis_config(&args.cache.redis_url)?;
     let mut builder = Builder::from_config(config);
     builder
-        .set_policy(ReconnectPolicy::new_exponential(
-            0,
-            RECONNECT_MIN_MS,
-            RECONNECT_MAX_MS,
-            2,
-        ))
+        .set_policy({
+            let mut policy =
+                ReconnectPolicy::new_exponential(0, RECONNECT_MIN_MS, RECONNECT_MAX_MS, 2);
+            policy.set_jitter(RECONNECT_JITTER_MS);
+            policy
+        })
         .with_connection_config(|c| {
             c.connection_timeout = args.cache.redis_timeout.max(Duration::from_millis(500));
             c.internal_command_timeout = args.cache.redis_timeout.max(Duration::from_millis(500));
         })
         .with_performance_config(|p| {
+            // Each command bounded inside the client too, so that one whose
+            // caller gave up (REDIS_TIMEOUT) is marked and never sent later:
+            // without it the client would replay it on the next connection,
+            // a lock attempt nobody waits for any more among them.
+            p.default_command_timeout = args.cache.redis_timeout;
             // The shared subscriber's fan-out buffer: a stampede over many
             // keys must not lag it (a lag costs every waiter a re-check).
             p.broadcast_channel_capacity = 4096;

@@ -87,6 +87,12 @@ impl Breaker {
         })
     }
 
+    /// A connection to Redis was (re)established and answered: close at once
+    /// rather than wait for the next probe after the cooldown.
+    pub fn reconnected(&self) {
+        self.record_success();
+    }
+
     fn record_success(&self) {
         self.failures.store(0, Ordering::Relaxed);
         if self.open_until.swap(0, Ordering::AcqRel) != 0 {

@@ -2,43 +2,16 @@
 //! key loads it, keeps the lock alive while it loads, and finishes in one
 //! round trip (store, publish, release).
 
-use std::{
-    future::Future,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use rand::Rng;
 
 use super::{
     freshness::{judge, store_for, Lifetimes, StoreFor, Verdict},
+    redis::{with_backoff, RETRY_FIRST},
     Answer, Outcome, ReadPath, RedisError, Served, Source,
 };
 use crate::cache::{now_millis, Entry, ItemKeys, Status};
-
-/// The first pause before lock hygiene (a finish, a release) is retried;
-/// it doubles up to the second.
-const RETRY_FIRST: Duration = Duration::from_millis(20);
-const RETRY_MAX: Duration = Duration::from_millis(100);
-
-/// Runs `attempt` until it succeeds or `give_up` has passed, pausing with
-/// backoff in between; the last error if it never succeeded.
-async fn with_backoff<T, F, Fut>(give_up: Instant, mut attempt: F) -> Result<T, RedisError>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, RedisError>>,
-{
-    let mut backoff = RETRY_FIRST;
-    loop {
-        match attempt().await {
-            Ok(value) => return Ok(value),
-            Err(error) if Instant::now() >= give_up => return Err(error),
-            Err(_) => {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(RETRY_MAX);
-            }
-        }
-    }
-}
 
 /// A lock attempt until Redis answers it (see [`ReadPath::try_lock`]).
 struct Attempt<'a, S: Source> {

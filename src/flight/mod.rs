@@ -23,7 +23,8 @@
 //!
 //! Files by role: `freshness.rs` (pure verdicts and the store policy),
 //! `leader.rs`, `waiter.rs`, `refresh.rs`, `local.rs` (in-process flights),
-//! `subscriber.rs` (the shared subscriber), `redis.rs` (commands and scripts),
+//! `subscriber/` (the shared subscriber), `redis.rs` (the commands),
+//! `scripts.rs` (the Lua scripts, loaded on every connection),
 //! `breaker.rs`, and `strategy.rs`: the load lab's strategies, the one place
 //! that reads CACHE_STRATEGY.
 
@@ -33,6 +34,7 @@ mod leader;
 mod local;
 mod redis;
 mod refresh;
+mod scripts;
 mod settings;
 mod strategy;
 mod subscriber;

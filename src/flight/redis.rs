@@ -1,88 +1,57 @@
 //! The Redis commands of the read path, each bounded by REDIS_TIMEOUT and
 //! guarded by the circuit breaker.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use bytes::Bytes;
 use fred::{
     error::ErrorKind,
     prelude::*,
-    types::{scripts::Script, Expiration, SetOptions},
+    types::{Expiration, SetOptions},
 };
+use tokio_util::task::AbortOnDropHandle;
 
-use super::{breaker::Breaker, freshness::StoreFor};
+use super::{
+    breaker::Breaker,
+    freshness::StoreFor,
+    scripts::{self, Scripts},
+};
 use crate::{
-    cache::{entry, now_millis, Entry, ItemKeys},
+    cache::{now_millis, Entry, ItemKeys},
     telemetry::metrics,
 };
 
-/// The leader's finish, in one round trip, fenced by the lock.
-///
-/// Fencing: the finish writes only while the lock still holds this leader's
-/// token, or when the lock is gone and nothing newer is stored. A leader
-/// whose lock expired or was lost and taken over must not store its older
-/// row (or its failure) over the new leader's value: it publishes what is
-/// stored instead (or nothing, when nothing is).
-///
-/// On success: store the entry (unless its TTL is 0) and, for a found entry,
-/// its fail-safe copy; a not-found entry deletes the fail-safe copy, so that
-/// a deleted item never comes back from it. On failure: an entry still
-/// fresh is left as it is (a failed refresh never degrades it); otherwise
-/// store as the backoff, for FAILURE_TTL, the last good copy (the value if it
-/// is a found entry, else the fail-safe copy, unless a not-found is stored)
-/// with its BACKOFF flag set, or else the failure marker. Then publish what
-/// is stored on the ready channel, and release the lock if it is ours.
-///
-/// Which TTLs is decided in Rust (`freshness::store_for`); which copy, here,
-/// because only Redis knows what is stored at the moment of the finish.
-///
-/// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy.
-/// ARGV[1] entry, ARGV[2] value TTL ms (0: do not store), ARGV[3] token,
-/// ARGV[4] channel, ARGV[5] fail-safe copy TTL ms (0: none), ARGV[6] FAILURE_TTL ms,
-/// ARGV[7] the publish command: PUBLISH, or SPUBLISH on a Redis Cluster (the
-/// channel shares the keys' hash tag, so it lives on the same shard),
-/// ARGV[8] now, unix ms.
-/// Returns {released, payload}: what was published, or the entry itself.
-///
-/// The `$…` placeholders are the envelope's layout, filled in from the
-/// constants of `cache/entry.rs` by [`finish_lua`] (Lua strings count from 1).
-const FINISH_LUA: &str = include_str!("finish.lua");
+/// The first pause before a step of upkeep (a finish, a release, a script
+/// load) is retried; it doubles up to the second.
+pub(super) const RETRY_FIRST: Duration = Duration::from_millis(20);
+const RETRY_MAX: Duration = Duration::from_millis(100);
 
-/// [`FINISH_LUA`] with the envelope's layout filled in.
-fn finish_lua() -> String {
-    // Lua's string.byte counts from 1.
-    let at = |offset: usize| (offset + 1).to_string();
-    FINISH_LUA
-        .replace("$VERSION_AT", &at(0))
-        .replace("$VERSION", &entry::VERSION.to_string())
-        .replace("$HEADER", &entry::HEADER_LEN.to_string())
-        .replace("$STATUS", &at(entry::STATUS_AT))
-        .replace("$FLAGS", &at(entry::FLAGS_AT))
-        .replace("$STORED_AT", &at(entry::STORED_AT))
-        .replace("$FRESH_UNTIL", &at(entry::FRESH_UNTIL_AT))
-        .replace("$FOUND", &entry::STATUS_FOUND.to_string())
-        .replace("$NOT_FOUND", &entry::STATUS_NOT_FOUND.to_string())
-        .replace("$FAILED", &entry::STATUS_FAILED.to_string())
-        .replace("$BACKOFF", &entry::FLAG_BACKOFF.to_string())
+/// Runs `attempt` until it succeeds or `give_up` has passed, pausing with
+/// backoff in between; the last error if it never succeeded.
+pub(super) async fn with_backoff<T, F, Fut>(
+    give_up: Instant,
+    mut attempt: F,
+) -> Result<T, RedisError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, RedisError>>,
+{
+    let mut backoff = RETRY_FIRST;
+    loop {
+        match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(error) if Instant::now() >= give_up => return Err(error),
+            Err(_) => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RETRY_MAX);
+            }
+        }
+    }
 }
-
-/// Releases a lock only if it still holds the given token.
-/// KEYS[1] lock; ARGV[1] token. Returns 1 when released.
-const RELEASE_LUA: &str = r#"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"#;
-
-/// Extends a lock only if it still holds the given token (the watchdog).
-/// KEYS[1] lock; ARGV[1] token, ARGV[2] TTL ms. Returns 1 when extended.
-const EXTEND_LUA: &str = r#"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"#;
 
 /// Why a Redis step failed; every such failure makes the read fail open.
 #[derive(Debug, thiserror::Error)]
@@ -123,9 +92,7 @@ pub struct RedisCommands {
     /// A Redis Cluster: publish with SPUBLISH (sharded pub/sub).
     sharded: bool,
     breaker: Arc<Breaker>,
-    finish: Script,
-    release: Script,
-    extend: Script,
+    scripts: Scripts,
 }
 
 fn ms(d: Duration) -> i64 {
@@ -164,6 +131,16 @@ fn is_outage(e: &fred::error::Error) -> bool {
     unreachable || NOT_SERVING.iter().any(|p| details.starts_with(p))
 }
 
+/// The `kind` label of a failed command in the metrics.
+fn error_label(e: &fred::error::Error) -> &'static str {
+    match e.kind() {
+        // The client's own bound (the same REDIS_TIMEOUT) fired first.
+        ErrorKind::Timeout => "timeout",
+        _ if is_outage(e) => "connection",
+        _ => "reply",
+    }
+}
+
 impl RedisCommands {
     pub fn new(client: Client, timeout: Duration) -> Self {
         Self::with_breaker(client, timeout, Arc::default())
@@ -175,10 +152,20 @@ impl RedisCommands {
             client,
             timeout,
             breaker,
-            finish: Script::from_lua(finish_lua()),
-            release: Script::from_lua(RELEASE_LUA),
-            extend: Script::from_lua(EXTEND_LUA),
+            scripts: Scripts::new(),
         }
+    }
+
+    /// Keeps the scripts loaded on every connection, in the background (see
+    /// `scripts.rs`), until the handle is dropped.
+    #[must_use = "dropping the handle stops the task"]
+    pub fn keep_scripts_loaded(&self) -> AbortOnDropHandle<()> {
+        AbortOnDropHandle::new(tokio::spawn(scripts::keep_loaded(
+            self.scripts.clone(),
+            self.client.clone(),
+            self.breaker.clone(),
+            self.timeout,
+        )))
     }
 
     /// Whether the circuit breaker lets commands through.
@@ -205,7 +192,7 @@ impl RedisCommands {
         match tokio::time::timeout(self.timeout, fut).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => {
-                metrics::redis_error(if is_outage(&e) { "connection" } else { "reply" });
+                metrics::redis_error(error_label(&e));
                 Err(e.into())
             }
             Err(_) => {
@@ -267,7 +254,7 @@ impl RedisCommands {
         })
     }
 
-    /// The leader's finish (see [`FINISH_LUA`]).
+    /// The leader's finish (see `finish.lua` and `scripts.rs`).
     pub async fn finish(
         &self,
         keys: &ItemKeys,
@@ -286,7 +273,7 @@ impl RedisCommands {
             Value::Integer(now_millis() as i64),
         ];
         let (released, payload): (i64, Bytes) = self
-            .unrefused(self.finish.evalsha_with_reload(
+            .unrefused(self.scripts.finish.evalsha_with_reload(
                 &self.client,
                 vec![
                     keys.value.as_str(),
@@ -306,10 +293,11 @@ impl RedisCommands {
     /// Releases a lock if it still holds `token`.
     pub async fn release(&self, lock_key: &str, token: &str) -> Result<bool, RedisError> {
         let released: i64 = self
-            .unrefused(
-                self.release
-                    .evalsha_with_reload(&self.client, vec![lock_key], vec![token]),
-            )
+            .unrefused(self.scripts.release.evalsha_with_reload(
+                &self.client,
+                vec![lock_key],
+                vec![token],
+            ))
             .await?;
         Ok(released == 1)
     }
@@ -322,7 +310,7 @@ impl RedisCommands {
         ttl: Duration,
     ) -> Result<bool, RedisError> {
         let extended: i64 = self
-            .unrefused(self.extend.evalsha_with_reload(
+            .unrefused(self.scripts.extend.evalsha_with_reload(
                 &self.client,
                 vec![lock_key],
                 vec![Value::from(token), Value::Integer(ms(ttl).max(1))],
@@ -359,12 +347,11 @@ pub(crate) async fn guarded<T>(
         Ok(Err(e)) => {
             if is_outage(&e) {
                 permit.failed();
-                metrics::redis_error("connection");
             } else {
                 // An error reply: Redis is up.
                 permit.succeeded();
-                metrics::redis_error("reply");
             }
+            metrics::redis_error(error_label(&e));
             Err(e.into())
         }
         Err(_) => {
@@ -372,20 +359,5 @@ pub(crate) async fn guarded<T>(
             metrics::redis_error("timeout");
             Err(RedisError::Timeout(timeout))
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every placeholder of the finish script is filled from `cache/entry.rs`.
-    #[test]
-    fn the_finish_script_reads_the_envelope_layout_from_its_constants() {
-        let lua = finish_lua();
-        assert!(!lua.contains('$'), "{lua}");
-        let status_byte = format!("string.byte(s, {})", entry::STATUS_AT + 1);
-        assert!(lua.contains(&status_byte), "{lua}");
-        assert!(lua.contains(&format!("== {}", entry::VERSION)));
     }
 }

@@ -12,6 +12,7 @@
 //! [`wait_until`], its bound in the call.
 
 mod http;
+mod load;
 mod process;
 mod redis;
 mod world;
@@ -24,6 +25,7 @@ use std::{
 };
 
 pub use http::{answered, fire, in_progress, Http, Reply, TestApp};
+pub use load::{Record, Sample, SteadyLoad, Zipf};
 pub use process::{ServiceProcess, TcpProxy};
 pub use redis::{RedisCluster, RedisServer};
 pub use world::{blocked_loads, TableLock, TestEnv};

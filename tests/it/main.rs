@@ -10,5 +10,6 @@ mod freshness;
 mod guarantees;
 mod harness;
 mod processes;
+mod restarts;
 mod scenarios;
 mod single_flight;

@@ -1,0 +1,206 @@
+//! The read path's Lua scripts, and keeping them loaded.
+//!
+//! A Redis that comes back (restarted, failed over, or a new empty node) has
+//! forgotten every script. Rather than have a request discover that by a
+//! NOSCRIPT and pay SCRIPT LOAD and a second EVALSHA inside its
+//! REDIS_TIMEOUT, the scripts are loaded on each connection as soon as it is
+//! (re)established, and only then does that reconnect close the breaker.
+//! EVALSHA's reload on NOSCRIPT stays as the fallback for a server that lost
+//! its scripts without a reconnect (SCRIPT FLUSH).
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use fred::{
+    prelude::*,
+    types::{config::Server, scripts::Script},
+};
+use tokio::sync::broadcast;
+
+use super::{
+    breaker::Breaker,
+    redis::{with_backoff, RedisError},
+};
+use crate::cache::entry;
+
+/// The leader's finish, in one round trip, fenced by the lock.
+///
+/// Fencing: the finish writes only while the lock still holds this leader's
+/// token, or when the lock is gone and nothing newer is stored. A leader
+/// whose lock expired or was lost and taken over must not store its older
+/// row (or its failure) over the new leader's value: it publishes what is
+/// stored instead (or nothing, when nothing is).
+///
+/// On success: store the entry (unless its TTL is 0) and, for a found entry,
+/// its fail-safe copy; a not-found entry deletes the fail-safe copy, so that
+/// a deleted item never comes back from it. On failure: an entry still
+/// fresh is left as it is (a failed refresh never degrades it); otherwise
+/// store as the backoff, for FAILURE_TTL, the last good copy (the value if it
+/// is a found entry, else the fail-safe copy, unless a not-found is stored)
+/// with its BACKOFF flag set, or else the failure marker. Then publish what
+/// is stored on the ready channel, and release the lock if it is ours.
+///
+/// Which TTLs is decided in Rust (`freshness::store_for`); which copy, here,
+/// because only Redis knows what is stored at the moment of the finish.
+///
+/// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy.
+/// ARGV[1] entry, ARGV[2] value TTL ms (0: do not store), ARGV[3] token,
+/// ARGV[4] channel, ARGV[5] fail-safe copy TTL ms (0: none), ARGV[6] FAILURE_TTL ms,
+/// ARGV[7] the publish command: PUBLISH, or SPUBLISH on a Redis Cluster (the
+/// channel shares the keys' hash tag, so it lives on the same shard),
+/// ARGV[8] now, unix ms.
+/// Returns {released, payload}: what was published, or the entry itself.
+///
+/// The `$…` placeholders are the envelope's layout, filled in from the
+/// constants of `cache/entry.rs` by [`finish_lua`] (Lua strings count from 1).
+const FINISH_LUA: &str = include_str!("finish.lua");
+
+/// [`FINISH_LUA`] with the envelope's layout filled in.
+fn finish_lua() -> String {
+    // Lua's string.byte counts from 1.
+    let at = |offset: usize| (offset + 1).to_string();
+    FINISH_LUA
+        .replace("$VERSION_AT", &at(0))
+        .replace("$VERSION", &entry::VERSION.to_string())
+        .replace("$HEADER", &entry::HEADER_LEN.to_string())
+        .replace("$STATUS", &at(entry::STATUS_AT))
+        .replace("$FLAGS", &at(entry::FLAGS_AT))
+        .replace("$STORED_AT", &at(entry::STORED_AT))
+        .replace("$FRESH_UNTIL", &at(entry::FRESH_UNTIL_AT))
+        .replace("$FOUND", &entry::STATUS_FOUND.to_string())
+        .replace("$NOT_FOUND", &entry::STATUS_NOT_FOUND.to_string())
+        .replace("$FAILED", &entry::STATUS_FAILED.to_string())
+        .replace("$BACKOFF", &entry::FLAG_BACKOFF.to_string())
+}
+
+/// Releases a lock only if it still holds the given token.
+/// KEYS[1] lock; ARGV[1] token. Returns 1 when released.
+const RELEASE_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+/// Extends a lock only if it still holds the given token (the watchdog).
+/// KEYS[1] lock; ARGV[1] token, ARGV[2] TTL ms. Returns 1 when extended.
+const EXTEND_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"#;
+
+/// How long a reconnect keeps trying to load the scripts (a server still
+/// loading its data refuses them for a while); after that, EVALSHA's reload
+/// on NOSCRIPT takes over.
+const LOAD_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The scripts of the read path.
+#[derive(Clone)]
+pub(super) struct Scripts {
+    pub finish: Script,
+    pub release: Script,
+    pub extend: Script,
+}
+
+impl Scripts {
+    pub fn new() -> Self {
+        Self {
+            finish: Script::from_lua(finish_lua()),
+            release: Script::from_lua(RELEASE_LUA),
+            extend: Script::from_lua(EXTEND_LUA),
+        }
+    }
+
+    fn all(&self) -> [&Script; 3] {
+        [&self.finish, &self.release, &self.extend]
+    }
+
+    /// SCRIPT LOAD of every script on `server`: the node that just
+    /// connected on a cluster, the one server otherwise.
+    async fn load_on(&self, client: &Client, server: &Server) -> Result<(), fred::error::Error> {
+        let options = fred::types::config::Options {
+            cluster_node: client.is_clustered().then(|| server.clone()),
+            ..Default::default()
+        };
+        let node = client.with_options(&options);
+        for script in self.all() {
+            let lua = script.lua().expect("built from Lua source").clone();
+            node.script_load::<String, _>(lua).await?;
+        }
+        Ok(())
+    }
+
+    /// SCRIPT LOAD of every script on every primary.
+    async fn load_everywhere(&self, client: &Client) -> Result<(), fred::error::Error> {
+        for script in self.all() {
+            script.load(client).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Loads the scripts on each connection of `client` as it is (re)established,
+/// then closes the breaker: a server that took them answers. Runs as long as
+/// the client; the connection made before it started is covered by a first
+/// load everywhere.
+pub(super) async fn keep_loaded(
+    scripts: Scripts,
+    client: Client,
+    breaker: Arc<Breaker>,
+    timeout: Duration,
+) {
+    let mut reconnects = client.reconnect_rx();
+    if client.is_connected() {
+        let _ = tokio::time::timeout(timeout, scripts.load_everywhere(&client)).await;
+    }
+    loop {
+        // Which server connected; `None`: some reconnects were missed, so
+        // every primary.
+        let server = match reconnects.recv().await {
+            Ok(server) => Some(server),
+            Err(broadcast::error::RecvError::Lagged(_)) => None,
+            Err(broadcast::error::RecvError::Closed) => return,
+        };
+        let loaded = with_backoff(Instant::now() + LOAD_PATIENCE, || async {
+            let load = async {
+                match &server {
+                    Some(server) => scripts.load_on(&client, server).await,
+                    None => scripts.load_everywhere(&client).await,
+                }
+            };
+            match tokio::time::timeout(timeout, load).await {
+                Ok(result) => result.map_err(RedisError::from),
+                Err(_) => Err(RedisError::Timeout(timeout)),
+            }
+        })
+        .await;
+        match loaded {
+            Ok(()) => {
+                tracing::debug!(?server, "scripts loaded on a new connection");
+                breaker.reconnected();
+            }
+            Err(error) => {
+                tracing::warn!(?server, %error, "could not load the scripts after a reconnect");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every placeholder of the finish script is filled from `cache/entry.rs`.
+    #[test]
+    fn the_finish_script_reads_the_envelope_layout_from_its_constants() {
+        let lua = finish_lua();
+        assert!(!lua.contains('$'), "{lua}");
+        let status_byte = format!("string.byte(s, {})", entry::STATUS_AT + 1);
+        assert!(lua.contains(&status_byte), "{lua}");
+        assert!(lua.contains(&format!("== {}", entry::VERSION)));
+    }
+}
