@@ -16,7 +16,7 @@ use crate::{
     cache::Keys,
     config::ServeArgs,
     db,
-    flight::{self, Breaker, ReadPath, RedisCommands, Subscriber},
+    flight::{self, Breakers, ReadPath, RedisCommands, Subscriber},
     http::{self, AppState, Limits},
     posts::PostStore,
     telemetry,
@@ -44,8 +44,9 @@ pub struct Application {
     state: AppState,
     redis: Client,
     subscriber: SubscriberClient,
-    /// Loads the scripts on every new Redis connection while the service runs.
-    _scripts: AbortOnDropHandle<()>,
+    /// The Redis connections' upkeep (scripts, cluster topology) while the
+    /// service runs.
+    _upkeep: AbortOnDropHandle<()>,
 }
 
 impl Application {
@@ -72,14 +73,15 @@ impl Application {
         let pool = db::connect(&args.database).await?;
         let (redis, subscriber) = connect_redis(&args).await?;
         let c = &args.cache;
-        let breaker = Arc::new(Breaker::default());
-        let commands = RedisCommands::with_breaker(redis.clone(), c.redis_timeout, breaker.clone());
-        let scripts = commands.keep_scripts_loaded();
+        let breakers = Arc::new(Breakers::new(redis.is_clustered()));
+        let commands =
+            RedisCommands::with_breakers(redis.clone(), c.redis_timeout, breakers.clone());
+        let upkeep = commands.upkeep();
         let read_path = ReadPath::new(
             PostStore::new(pool.clone()),
             Keys::new(c.key_prefix.clone(), "post"),
             commands,
-            Subscriber::start(subscriber.clone(), c.redis_timeout, breaker),
+            Subscriber::start(subscriber.clone(), c.redis_timeout, breakers),
             settings,
         );
         let state = AppState {
@@ -100,7 +102,7 @@ impl Application {
             state,
             redis,
             subscriber,
-            _scripts: scripts,
+            _upkeep: upkeep,
         })
     }
 

@@ -56,7 +56,7 @@ use bytes::Bytes;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-pub use breaker::Breaker;
+pub use breaker::Breakers;
 pub use freshness::StoreFor;
 pub use redis::{RedisCommands, RedisError};
 pub use settings::Settings;

@@ -13,10 +13,11 @@ use fred::{
     prelude::*,
     types::{Expiration, SetOptions},
 };
+use tokio::sync::broadcast;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::{
-    breaker::Breaker,
+    breaker::{Breaker, Breakers, State},
     freshness::StoreFor,
     scripts::{self, Scripts},
 };
@@ -91,7 +92,7 @@ pub struct RedisCommands {
     timeout: Duration,
     /// A Redis Cluster: publish with SPUBLISH (sharded pub/sub).
     sharded: bool,
-    breaker: Arc<Breaker>,
+    breakers: Arc<Breakers>,
     scripts: Scripts,
 }
 
@@ -143,42 +144,54 @@ fn error_label(e: &fred::error::Error) -> &'static str {
 
 impl RedisCommands {
     pub fn new(client: Client, timeout: Duration) -> Self {
-        Self::with_breaker(client, timeout, Arc::default())
+        let breakers = Arc::new(Breakers::new(client.is_clustered()));
+        Self::with_breakers(client, timeout, breakers)
     }
 
-    pub fn with_breaker(client: Client, timeout: Duration, breaker: Arc<Breaker>) -> Self {
+    pub fn with_breakers(client: Client, timeout: Duration, breakers: Arc<Breakers>) -> Self {
         Self {
             sharded: client.is_clustered(),
             client,
             timeout,
-            breaker,
+            breakers,
             scripts: Scripts::new(),
         }
     }
 
-    /// Keeps the scripts loaded on every connection, in the background (see
-    /// `scripts.rs`), until the handle is dropped.
-    #[must_use = "dropping the handle stops the task"]
-    pub fn keep_scripts_loaded(&self) -> AbortOnDropHandle<()> {
-        AbortOnDropHandle::new(tokio::spawn(scripts::keep_loaded(
+    /// Keeps the connections' upkeep running in the background until the
+    /// handle is dropped: the scripts loaded on every new connection (see
+    /// `scripts.rs`) and, on a cluster, the breakers following the topology.
+    #[must_use = "dropping the handle stops the upkeep"]
+    pub fn upkeep(&self) -> AbortOnDropHandle<()> {
+        let scripts = scripts::keep_loaded(
             self.scripts.clone(),
             self.client.clone(),
-            self.breaker.clone(),
+            self.breakers.clone(),
             self.timeout,
-        )))
+        );
+        let topology = follow_topology(self.client.clone(), self.breakers.clone());
+        AbortOnDropHandle::new(tokio::spawn(async move {
+            tokio::join!(scripts, topology);
+        }))
     }
 
-    /// Whether the circuit breaker lets commands through.
+    /// Whether every circuit breaker in use lets commands through.
     pub fn breaker_closed(&self) -> bool {
-        self.breaker.state() == super::breaker::State::Closed
+        self.breakers.state() == State::Closed
     }
 
-    /// Runs one command under the breaker and REDIS_TIMEOUT.
+    /// Puts the breakers' state in the metrics (before they are rendered).
+    pub fn report_breakers(&self) {
+        self.breakers.report();
+    }
+
+    /// Runs one command on `key` under its breaker and REDIS_TIMEOUT.
     async fn bounded<T>(
         &self,
+        key: &str,
         fut: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, RedisError> {
-        guarded(&self.breaker, self.timeout, fut).await
+        guarded(&self.breakers.for_key(key), self.timeout, fut).await
     }
 
     /// Runs one command of lock hygiene (finish, release, extend) under
@@ -205,7 +218,7 @@ impl RedisCommands {
     /// GET a value key and decode it. Bytes that are not an entry count as
     /// absent: the next store overwrites them.
     pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
-        let raw: Option<Bytes> = self.bounded(self.client.get(key)).await?;
+        let raw: Option<Bytes> = self.bounded(key, self.client.get(key)).await?;
         Ok(raw.and_then(|raw| match Entry::decode(raw) {
             Ok(entry) => Some(entry),
             Err(error) => {
@@ -220,6 +233,7 @@ impl RedisCommands {
     pub async fn store(&self, key: &str, entry: &Entry, ttl: Duration) -> Result<(), RedisError> {
         let px = Expiration::PX(ms(ttl).max(1));
         self.bounded(
+            key,
             self.client
                 .set::<(), _, _>(key, entry.raw().clone(), Some(px), None, false),
         )
@@ -236,6 +250,7 @@ impl RedisCommands {
         let px = Expiration::PX(ms(ttl).max(1));
         let reply: Option<String> = self
             .bounded(
+                key,
                 self.client
                     .set(key, token, Some(px), Some(SetOptions::NX), false),
             )
@@ -246,7 +261,7 @@ impl RedisCommands {
 
     /// PTTL of a lock.
     pub async fn pttl(&self, key: &str) -> Result<LockTtl, RedisError> {
-        let ms: i64 = self.bounded(self.client.pttl(key)).await?;
+        let ms: i64 = self.bounded(key, self.client.pttl(key)).await?;
         Ok(match ms {
             -2 => LockTtl::Absent,
             ms if ms < 0 => LockTtl::NoExpiry,
@@ -324,6 +339,24 @@ impl RedisCommands {
         match tokio::time::timeout(self.timeout, self.client.ping::<()>(None)).await {
             Ok(result) => Ok(result?),
             Err(_) => Err(RedisError::Timeout(self.timeout)),
+        }
+    }
+}
+
+/// On a Redis Cluster, points the breakers at each slot's node whenever the
+/// client's view of the topology changes (a failover, a resharding).
+async fn follow_topology(client: Client, breakers: Arc<Breakers>) {
+    if !client.is_clustered() {
+        return;
+    }
+    let mut changes = client.cluster_change_rx();
+    loop {
+        if let Some(state) = client.cached_cluster_state() {
+            breakers.route(state.slots());
+        }
+        match changes.recv().await {
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+            Err(broadcast::error::RecvError::Closed) => return,
         }
     }
 }

@@ -20,7 +20,7 @@ use fred::{
 use tokio::sync::broadcast;
 
 use super::{
-    breaker::Breaker,
+    breaker::Breakers,
     redis::{with_backoff, RedisError},
 };
 use crate::cache::entry;
@@ -144,13 +144,13 @@ impl Scripts {
 }
 
 /// Loads the scripts on each connection of `client` as it is (re)established,
-/// then closes the breaker: a server that took them answers. Runs as long as
+/// then closes that server's breaker: a server that took them answers. Runs as long as
 /// the client; the connection made before it started is covered by a first
 /// load everywhere.
 pub(super) async fn keep_loaded(
     scripts: Scripts,
     client: Client,
-    breaker: Arc<Breaker>,
+    breakers: Arc<Breakers>,
     timeout: Duration,
 ) {
     let mut reconnects = client.reconnect_rx();
@@ -181,7 +181,9 @@ pub(super) async fn keep_loaded(
         match loaded {
             Ok(()) => {
                 tracing::debug!(?server, "scripts loaded on a new connection");
-                breaker.reconnected();
+                if let Some(server) = &server {
+                    breakers.for_node(server).reconnected();
+                }
             }
             Err(error) => {
                 tracing::warn!(?server, %error, "could not load the scripts after a reconnect");

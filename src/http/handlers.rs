@@ -172,6 +172,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 
 /// `GET /metrics`: Prometheus text format.
 pub async fn metrics(State(state): State<AppState>) -> Response {
+    state.read_path.redis().report_breakers();
     (
         [(
             header::CONTENT_TYPE,

@@ -29,7 +29,8 @@ pub const WAITS: &str = "postcache_waits_total";
 pub const WAIT_DURATION: &str = "postcache_wait_duration_seconds";
 /// Redis command failures (errors and timeouts) and breaker rejections, by kind.
 pub const REDIS_ERRORS: &str = "postcache_redis_errors_total";
-/// Redis circuit breaker: 0 closed, 1 open, 2 half-open.
+/// Redis circuit breaker (on a cluster, the worst of the nodes'): 0 closed,
+/// 1 open, 2 half-open; set when the metrics are rendered.
 pub const BREAKER_STATE: &str = "postcache_redis_breaker_state";
 /// Ready channels this process is subscribed to.
 pub const SUBSCRIBED_CHANNELS: &str = "postcache_subscribed_channels";
@@ -111,7 +112,7 @@ fn describe() {
     describe_counter!(REDIS_ERRORS, "Redis failures by kind.");
     describe_gauge!(
         BREAKER_STATE,
-        "Redis circuit breaker: 0 closed, 1 open, 2 half-open."
+        "Redis circuit breaker (on a cluster, the worst of the nodes'): 0 closed, 1 open, 2 half-open."
     );
     describe_gauge!(
         SUBSCRIBED_CHANNELS,

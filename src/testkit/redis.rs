@@ -222,6 +222,10 @@ impl RedisCluster {
             // A replica may always take over (its data is a cache).
             "--cluster-replica-validity-factor",
             "0",
+            // The other shards keep serving while one has no master (a cache
+            // wants that; the README recommends it).
+            "--cluster-require-full-coverage",
+            "no",
         ]
         .map(str::to_owned);
         let child = spawn_redis(&self.dir, &args);
@@ -265,12 +269,22 @@ impl RedisCluster {
     }
 
     /// The port of the master that serves `key`'s slot.
+    #[track_caller]
     pub fn master_of(&self, key: &str) -> u16 {
-        let slot: u16 = self
-            .cli(self.ports[0], &["cluster", "keyslot", key])
-            .parse()
-            .unwrap();
-        let nodes = self.cli(self.ports[0], &["cluster", "nodes"]);
+        self.serving(key)
+            .unwrap_or_else(|| panic!("no master serves the slot of {key}"))
+    }
+
+    /// The port of the master that serves `key`'s slot as a live node sees
+    /// it: `None` while that master is failing and no replica has taken over.
+    pub fn serving(&self, key: &str) -> Option<u16> {
+        let live = self
+            .ports
+            .iter()
+            .zip(&self.nodes)
+            .find_map(|(port, node)| node.is_some().then_some(*port))?;
+        let slot: u16 = self.cli(live, &["cluster", "keyslot", key]).parse().ok()?;
+        let nodes = self.cli(live, &["cluster", "nodes"]);
         for line in nodes.lines() {
             let fields: Vec<&str> = line.split_whitespace().collect();
             if !fields[2].contains("master") || fields[2].contains("fail") {
@@ -281,12 +295,12 @@ impl RedisCluster {
                 let (lo, hi) = range.split_once('-').unwrap_or((range, range));
                 if let (Ok(lo), Ok(hi)) = (lo.parse::<u16>(), hi.parse::<u16>()) {
                     if (lo..=hi).contains(&slot) {
-                        return port;
+                        return Some(port);
                     }
                 }
             }
         }
-        panic!("no master serves slot {slot}")
+        None
     }
 
     /// SIGKILL the node on `port`.

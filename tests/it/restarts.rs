@@ -1,13 +1,16 @@
 //! Redis coming back under load: a server restarted empty on the same port,
-//! a cluster master restarted. Three instances under a steady Zipf load; no
-//! request may fail, and the hit ratio must be back to its level within a
-//! second of Redis accepting commands.
+//! a cluster master restarted, a cluster master replaced by its replica.
+//! Three instances under a steady Zipf load; no request may fail, and caching
+//! must resume within a second or two of Redis serving again.
 
-use std::time::{Duration, Instant};
+use std::{
+    collections::HashSet,
+    time::{Duration, Instant},
+};
 
 use futures::future::join_all;
 use postcache::testkit::{
-    wait_until, Http, Record, RedisCluster, RedisServer, SteadyLoad, TestApp, TestEnv, Zipf,
+    wait_until, Http, Record, RedisCluster, RedisServer, Sample, SteadyLoad, TestApp, TestEnv, Zipf,
 };
 
 const POSTS: u64 = 100;
@@ -30,10 +33,8 @@ fn steady_load(apps: &[TestApp]) -> SteadyLoad {
     )
 }
 
-/// Asserts no failed request, and the hit ratio in the second after
-/// [`RECOVERY_BOUND`] past `back` (when Redis accepted commands again) back
-/// to its level in the two seconds before `fault`.
-fn assert_recovered(record: &Record, fault: Instant, back: Instant) {
+#[track_caller]
+fn assert_no_failure(record: &Record) {
     let failures = record.failures();
     assert!(
         failures.is_empty(),
@@ -41,6 +42,13 @@ fn assert_recovered(record: &Record, fault: Instant, back: Instant) {
         failures.len(),
         &failures[..failures.len().min(5)]
     );
+}
+
+/// Asserts no failed request, and the hit ratio in the second after
+/// [`RECOVERY_BOUND`] past `back` (when Redis accepted commands again) back
+/// to its level in the two seconds before `fault`.
+fn assert_recovered(record: &Record, fault: Instant, back: Instant) {
+    assert_no_failure(record);
     let second = Duration::from_secs(1);
     let before = record
         .hit_ratio(fault - 2 * second, fault, 200)
@@ -140,4 +148,156 @@ async fn a_cluster_master_restarted_empty_under_load_costs_no_error_and_the_hit_
     let record = load.stop().await;
 
     assert_recovered(&record, fault, back);
+}
+
+/// The share of `bypass` among `samples`.
+fn bypassed(samples: &[&Sample]) -> f64 {
+    let n = samples.iter().filter(|s| s.x_cache == "bypass").count();
+    n as f64 / samples.len().max(1) as f64
+}
+
+/// A cluster of 3 masters (with `replicas` each) under the steady load of
+/// three instances, warmed past one TTL.
+struct Sharded {
+    cluster: RedisCluster,
+    env: TestEnv,
+    _apps: Vec<TestApp>,
+    /// The master of post 1, and the posts it holds.
+    victim: u16,
+    on_victim: HashSet<i64>,
+    load: SteadyLoad,
+}
+
+impl Sharded {
+    async fn under_load(replicas: usize) -> Self {
+        let cluster = RedisCluster::start(3, replicas).await;
+        let env = TestEnv::with_redis(POSTS, cluster.url()).await;
+        let apps = join_all((0..3).map(|_| env.spawn(FLAGS))).await;
+        let victim = cluster.master_of(&env.keys.value(1));
+        let on_victim = (1..=POSTS as i64)
+            .filter(|&id| cluster.master_of(&env.keys.value(id)) == victim)
+            .collect();
+        let load = steady_load(&apps);
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        Self {
+            cluster,
+            env,
+            _apps: apps,
+            victim,
+            on_victim,
+            load,
+        }
+    }
+}
+
+/// The samples in `[from, to)` of posts in `posts`, and of the others.
+fn split<'a>(
+    record: &'a Record,
+    from: Instant,
+    to: Instant,
+    posts: &HashSet<i64>,
+) -> (Vec<&'a Sample>, Vec<&'a Sample>) {
+    record
+        .between(from, to)
+        .iter()
+        .partition(|s| posts.contains(&s.id))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_cluster_master_bypasses_its_own_keys_only() {
+    let Sharded {
+        cluster,
+        env: _env,
+        victim,
+        on_victim,
+        load,
+        _apps,
+    } = Sharded::under_load(0).await;
+
+    let fault = Instant::now();
+    cluster.cli(victim, &["client", "pause", "2000", "all"]);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let healed = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let record = load.stop().await;
+
+    assert_no_failure(&record);
+    let (there, elsewhere) = split(&record, fault, healed, &on_victim);
+    let (_, after) = split(
+        &record,
+        healed + Duration::from_secs(1),
+        healed + Duration::from_secs(2),
+        &HashSet::new(),
+    );
+    let report = format!(
+        "while one master stalled, bypassed: {:.1}% of its keys' requests, {:.1}% of the others'; \
+         from 1 s after: {:.1}%",
+        100.0 * bypassed(&there),
+        100.0 * bypassed(&elsewhere),
+        100.0 * bypassed(&after),
+    );
+    eprintln!("{report}");
+    assert!(!on_victim.is_empty() && on_victim.len() < POSTS as usize);
+    assert!(
+        bypassed(&there) > 0.5,
+        "the stalled shard's keys fail open: {report}"
+    );
+    assert!(bypassed(&elsewhere) < 0.05, "{report}");
+    assert!(bypassed(&after) < 0.05, "{report}");
+}
+
+/// A master killed, its replica promoted: no request fails, and caching
+/// resumes on its slots within 2 s of the promotion. While the master is
+/// unreachable, the client library stalls every command of the cluster
+/// client (it reconnects the whole cluster and fails while one primary is
+/// down), so the other shards' keys fail open too meanwhile: measured and
+/// printed, not asserted (see the README).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn when_a_cluster_master_fails_over_no_request_fails_and_caching_resumes_within_two_seconds()
+{
+    let Sharded {
+        mut cluster,
+        env,
+        victim,
+        on_victim,
+        load,
+        _apps,
+    } = Sharded::under_load(1).await;
+
+    let fault = Instant::now();
+    cluster.kill(victim);
+    wait_until(
+        "a replica to take over",
+        Duration::from_secs(30),
+        async || {
+            cluster
+                .serving(&env.keys.value(1))
+                .is_some_and(|port| port != victim)
+        },
+    )
+    .await;
+    let promoted = Instant::now();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let record = load.stop().await;
+
+    assert_no_failure(&record);
+    let (there, elsewhere) = split(&record, fault, promoted, &on_victim);
+    let from = promoted + Duration::from_secs(2);
+    let (_, after) = split(
+        &record,
+        from,
+        from + Duration::from_secs(2),
+        &HashSet::new(),
+    );
+    let report = format!(
+        "failover took {:?}; while it ran, bypassed: {:.1}% of the failed shard's requests, \
+         {:.1}% of the others'; from 2 s after the promotion: {:.1}%; the first 2 s: {:?}",
+        promoted - fault,
+        100.0 * bypassed(&there),
+        100.0 * bypassed(&elsewhere),
+        100.0 * bypassed(&after),
+        record.mix(promoted, from),
+    );
+    eprintln!("{report}");
+    assert!(bypassed(&after) < 0.05, "{report}");
 }

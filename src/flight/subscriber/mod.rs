@@ -31,7 +31,7 @@ use fred::{clients::SubscriberClient, prelude::*};
 use tokio::sync::broadcast;
 
 use super::{
-    breaker::Breaker,
+    breaker::Breakers,
     redis::{guarded, RedisError},
 };
 use crate::telemetry::metrics;
@@ -72,7 +72,7 @@ pub struct Subscriber {
     /// travels to the shard that owns the key.
     sharded: bool,
     timeout: Duration,
-    breaker: Arc<Breaker>,
+    breakers: Arc<Breakers>,
     /// Channel name → slot. A std mutex: held only for map operations, never
     /// across an await, and taken by the message dispatcher for every message.
     slots: Mutex<HashMap<String, Registered>>,
@@ -95,12 +95,16 @@ pub struct Subscription {
 impl Subscriber {
     /// Wraps a connected (or connecting) subscriber client and starts the
     /// dispatcher and the re-subscription task.
-    pub fn start(client: SubscriberClient, timeout: Duration, breaker: Arc<Breaker>) -> Arc<Self> {
+    pub fn start(
+        client: SubscriberClient,
+        timeout: Duration,
+        breakers: Arc<Breakers>,
+    ) -> Arc<Self> {
         let this = Arc::new(Self {
             sharded: client.is_clustered(),
             client,
             timeout,
-            breaker,
+            breakers,
             slots: Mutex::new(HashMap::new()),
             uncertain: Mutex::default(),
         });
@@ -137,7 +141,8 @@ impl Subscriber {
             // Uncertain until confirmed: the SUBSCRIBE may fail, time out or
             // be cancelled and still reach the server.
             self.set_uncertain(channel, true);
-            guarded(&self.breaker, self.timeout, self.server_subscribe(channel)).await?;
+            let breaker = self.breakers.for_key(channel);
+            guarded(&breaker, self.timeout, self.server_subscribe(channel)).await?;
             self.set_uncertain(channel, false);
             *subscribed = true;
             metrics::subscribed_channels(1.0);
