@@ -7,7 +7,7 @@ use axum::Router;
 use fred::{
     clients::SubscriberClient,
     prelude::*,
-    types::config::{Config as RedisConfig, ReconnectPolicy},
+    types::config::{Config as RedisConfig, ReconnectPolicy, ServerConfig},
 };
 use tokio::net::TcpListener;
 use tokio_util::task::AbortOnDropHandle;
@@ -16,7 +16,7 @@ use crate::{
     cache::Keys,
     config::ServeArgs,
     db,
-    flight::{self, Breakers, ReadPath, RedisCommands, Subscriber},
+    flight::{self, Nodes, ReadPath, RedisCommands, Subscriber},
     http::{self, AppState, Limits},
     posts::PostStore,
     telemetry,
@@ -46,7 +46,7 @@ pub struct Application {
     subscriber: SubscriberClient,
     /// The Redis connections' upkeep (scripts, cluster topology) while the
     /// service runs.
-    _upkeep: AbortOnDropHandle<()>,
+    _upkeep: Option<AbortOnDropHandle<()>>,
 }
 
 impl Application {
@@ -71,17 +71,16 @@ impl Application {
             db::migrate(&args.database).await?;
         }
         let pool = db::connect(&args.database).await?;
-        let (redis, subscriber) = connect_redis(&args).await?;
+        let (redis, subscriber, nodes) = connect_redis(&args).await?;
         let c = &args.cache;
-        let breakers = Arc::new(Breakers::new(redis.is_clustered()));
-        let commands =
-            RedisCommands::with_breakers(redis.clone(), c.redis_timeout, breakers.clone());
+        let nodes = Arc::new(nodes);
+        let commands = RedisCommands::with_nodes(nodes.clone(), c.redis_timeout);
         let upkeep = commands.upkeep();
         let read_path = ReadPath::new(
             PostStore::new(pool.clone()),
             Keys::new(c.key_prefix.clone(), "post"),
             commands,
-            Subscriber::start(subscriber.clone(), c.redis_timeout, breakers),
+            Subscriber::start(subscriber.clone(), c.redis_timeout, nodes),
             settings,
         );
         let state = AppState {
@@ -195,8 +194,10 @@ fn cluster_nodes_as_query(url: &str) -> String {
     format!("{scheme}://{credentials}{first}{path}?{}", params.join("&"))
 }
 
-/// The command client and the shared subscriber, both reconnecting for ever.
-async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberClient)> {
+/// The command client, the shared subscriber (both reconnecting for ever),
+/// and where each key's commands go: on a cluster, a client per primary,
+/// made with the same settings as its node appears.
+async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberClient, Nodes)> {
     let config = redis_config(&args.cache.redis_url)?;
     let mut builder = Builder::from_config(config);
     builder
@@ -236,7 +237,20 @@ async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberCl
         Ok(Err(e)) => tracing::warn!(error = %e, "redis unavailable at start; serving fail-open"),
         Err(_) => tracing::warn!("redis unavailable at start; serving fail-open"),
     }
-    Ok((client, subscriber))
+    let nodes = if client.is_clustered() {
+        Nodes::cluster(client.clone(), move |server| {
+            let mut node = builder.clone();
+            let mut config = node.get_config().cloned().unwrap_or_default();
+            config.server = ServerConfig::Centralized {
+                server: server.clone(),
+            };
+            node.set_config(config);
+            Ok(node.build()?)
+        })
+    } else {
+        Nodes::single(client.clone())
+    };
+    Ok((client, subscriber, nodes))
 }
 
 /// Completes on ctrl-c or SIGTERM.

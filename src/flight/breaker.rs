@@ -12,20 +12,9 @@
 //! gives the probe back.
 
 use std::{
-    collections::HashMap,
-    sync::{
-        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
-        Arc, PoisonError, RwLock,
-    },
+    sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     time::{Duration, Instant},
 };
-
-use fred::types::{
-    cluster::{ClusterRouting, SlotRange},
-    config::Server,
-};
-
-use crate::telemetry::metrics;
 
 /// Consecutive failures that open the breaker.
 pub const BREAKER_FAILURES: u32 = 3;
@@ -124,112 +113,6 @@ impl Breaker {
     }
 }
 
-/// The breakers of one process. One for a single Redis. On a Redis Cluster,
-/// one per primary node, found from a key's hash slot, so that one shard's
-/// outage bypasses that shard's keys only, and a failover, which moves the
-/// slots to another node, moves them to that node's breaker (closed) as soon
-/// as the client sees the new topology.
-pub struct Breakers {
-    /// A single Redis; on a cluster, keys whose node is not known yet.
-    default: Arc<Breaker>,
-    clustered: bool,
-    /// A std lock: read on every command, written on a topology change.
-    routes: RwLock<Routes>,
-}
-
-#[derive(Default)]
-struct Routes {
-    /// (first slot, last slot, its node's breaker), sorted.
-    ranges: Vec<(u16, u16, Arc<Breaker>)>,
-    /// Kept across topology changes, so that a node keeps its state.
-    nodes: HashMap<Server, Arc<Breaker>>,
-}
-
-impl Breakers {
-    pub fn new(clustered: bool) -> Self {
-        Self {
-            default: Arc::default(),
-            clustered,
-            routes: RwLock::default(),
-        }
-    }
-
-    fn routes(&self) -> std::sync::RwLockReadGuard<'_, Routes> {
-        self.routes.read().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The breaker that guards the commands on `key`.
-    pub fn for_key(&self, key: &str) -> Arc<Breaker> {
-        if !self.clustered {
-            return self.default.clone();
-        }
-        let slot = ClusterRouting::hash_key(key.as_bytes());
-        let routes = self.routes();
-        let i = routes.ranges.partition_point(|(_, last, _)| *last < slot);
-        match routes.ranges.get(i) {
-            Some((first, _, breaker)) if *first <= slot => breaker.clone(),
-            _ => self.default.clone(),
-        }
-    }
-
-    /// The breaker of the node `server` (the default one when not known).
-    pub fn for_node(&self, server: &Server) -> Arc<Breaker> {
-        let known = self.routes().nodes.get(server).cloned();
-        known.unwrap_or_else(|| self.default.clone())
-    }
-
-    /// Follows a new cluster topology: each slot range to its primary's
-    /// breaker, new for a node not seen before.
-    pub fn route(&self, slots: &[SlotRange]) {
-        let mut routes = self.routes.write().unwrap_or_else(PoisonError::into_inner);
-        let mut nodes = HashMap::new();
-        let mut ranges: Vec<_> = slots
-            .iter()
-            .map(|range| {
-                let breaker = nodes
-                    .entry(range.primary.clone())
-                    .or_insert_with(|| {
-                        routes
-                            .nodes
-                            .get(&range.primary)
-                            .cloned()
-                            .unwrap_or_default()
-                    })
-                    .clone();
-                (range.start, range.end, breaker)
-            })
-            .collect();
-        ranges.sort_by_key(|(first, _, _)| *first);
-        *routes = Routes { ranges, nodes };
-    }
-
-    /// The worst state among the breakers in use: open, else half-open,
-    /// else closed.
-    pub fn state(&self) -> State {
-        let routes = self.routes();
-        // Once the nodes are known, the default breaker guards nothing.
-        let in_use: Vec<&Arc<Breaker>> = if routes.nodes.is_empty() {
-            vec![&self.default]
-        } else {
-            routes.nodes.values().collect()
-        };
-        in_use
-            .into_iter()
-            .map(|breaker| breaker.state())
-            .max_by_key(|state| match state {
-                State::Closed => 0,
-                State::HalfOpen => 1,
-                State::Open => 2,
-            })
-            .unwrap_or(State::Closed)
-    }
-
-    /// Reports [`Breakers::state`] in the metrics.
-    pub fn report(&self) {
-        metrics::breaker_state(self.state() as u8 as f64);
-    }
-}
-
 /// Leave for one command; tell the breaker how it went with
 /// [`Permit::succeeded`] or [`Permit::failed`].
 pub struct Permit<'a> {
@@ -300,79 +183,6 @@ mod tests {
         let next = b.permit().expect("the probe was given back");
         next.succeeded();
         assert_eq!(b.state(), State::Closed);
-    }
-
-    fn range(first: u16, last: u16, port: u16) -> SlotRange {
-        SlotRange {
-            start: first,
-            end: last,
-            primary: Server::new("127.0.0.1", port),
-            id: port.to_string().into(),
-        }
-    }
-
-    fn open(b: &Breaker) {
-        for _ in 0..BREAKER_FAILURES {
-            b.permit().expect("closed").failed();
-        }
-    }
-
-    /// Two keys on different slots; which is lower is found at run time.
-    const LOW: &str = "{a}";
-    const HIGH: &str = "{b}";
-
-    #[test]
-    fn on_a_cluster_each_node_has_its_own_breaker_and_a_failover_moves_its_slots_to_a_closed_one() {
-        let slot = |key: &str| ClusterRouting::hash_key(key.as_bytes());
-        let (low, high) = if slot(LOW) < slot(HIGH) {
-            (LOW, HIGH)
-        } else {
-            (HIGH, LOW)
-        };
-        let split = slot(high);
-        assert!(slot(low) < split);
-        let breakers = Breakers::new(true);
-        breakers.route(&[range(0, split - 1, 7000), range(split, 16383, 7001)]);
-
-        open(&breakers.for_key(low));
-        assert_eq!(breakers.for_key(low).state(), State::Open);
-        assert_eq!(
-            breakers.for_key(high).state(),
-            State::Closed,
-            "the other node is unaffected"
-        );
-        assert_eq!(breakers.state(), State::Open, "the worst is reported");
-
-        // The same topology read again: the node keeps its state.
-        breakers.route(&[range(0, split - 1, 7000), range(split, 16383, 7001)]);
-        assert_eq!(breakers.for_key(low).state(), State::Open);
-
-        // A replica on 7002 took over 7000's slots.
-        breakers.route(&[range(0, split - 1, 7002), range(split, 16383, 7001)]);
-        assert_eq!(breakers.for_key(low).state(), State::Closed);
-        assert_eq!(
-            breakers.state(),
-            State::Closed,
-            "the dead node is forgotten"
-        );
-        breakers
-            .for_node(&Server::new("127.0.0.1", 7002))
-            .permit()
-            .expect("closed")
-            .failed();
-        assert_eq!(
-            breakers.for_key(low).state(),
-            State::Closed,
-            "one failure is not enough"
-        );
-    }
-
-    #[test]
-    fn a_single_redis_has_one_breaker() {
-        let breakers = Breakers::new(false);
-        open(&breakers.for_key("x"));
-        assert_eq!(breakers.for_key("y").state(), State::Open);
-        assert_eq!(breakers.state(), State::Open);
     }
 
     #[test]

@@ -24,7 +24,8 @@
 //! Files by role: `freshness.rs` (pure verdicts and the store policy),
 //! `leader.rs`, `waiter.rs`, `refresh.rs`, `local.rs` (in-process flights),
 //! `subscriber/` (the shared subscriber), `redis.rs` (the commands),
-//! `scripts.rs` (the Lua scripts, loaded on every connection),
+//! `scripts.rs` (the Lua scripts, loaded on every connection), `nodes.rs`
+//! (which client and breaker serve a key: one of each per node on a cluster),
 //! `breaker.rs`, and `strategy.rs`: the load lab's strategies, the one place
 //! that reads CACHE_STRATEGY.
 
@@ -32,6 +33,7 @@ mod breaker;
 mod freshness;
 mod leader;
 mod local;
+mod nodes;
 mod redis;
 mod refresh;
 mod scripts;
@@ -56,8 +58,8 @@ use bytes::Bytes;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-pub use breaker::Breakers;
 pub use freshness::StoreFor;
+pub use nodes::Nodes;
 pub use redis::{RedisCommands, RedisError};
 pub use settings::Settings;
 pub use subscriber::Subscriber;

@@ -13,13 +13,13 @@ use fred::{
     prelude::*,
     types::{Expiration, SetOptions},
 };
-use tokio::sync::broadcast;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::{
-    breaker::{Breaker, Breakers, State},
+    breaker::{Breaker, State},
     freshness::StoreFor,
-    scripts::{self, Scripts},
+    nodes::{self, Node, Nodes},
+    scripts::Scripts,
 };
 use crate::{
     cache::{now_millis, Entry, ItemKeys},
@@ -85,14 +85,14 @@ pub struct Finished {
     pub published: Entry,
 }
 
-/// The command client plus the bound applied to each command.
+/// The command clients plus the bound applied to each command.
 #[derive(Clone)]
 pub struct RedisCommands {
-    client: Client,
+    /// Where each key's commands go (see `nodes.rs`).
+    nodes: Arc<Nodes>,
     timeout: Duration,
     /// A Redis Cluster: publish with SPUBLISH (sharded pub/sub).
     sharded: bool,
-    breakers: Arc<Breakers>,
     scripts: Scripts,
 }
 
@@ -143,55 +143,57 @@ fn error_label(e: &fred::error::Error) -> &'static str {
 }
 
 impl RedisCommands {
+    /// The commands of a single Redis.
     pub fn new(client: Client, timeout: Duration) -> Self {
-        let breakers = Arc::new(Breakers::new(client.is_clustered()));
-        Self::with_breakers(client, timeout, breakers)
+        Self::with_nodes(Arc::new(Nodes::single(client)), timeout)
     }
 
-    pub fn with_breakers(client: Client, timeout: Duration, breakers: Arc<Breakers>) -> Self {
+    pub fn with_nodes(nodes: Arc<Nodes>, timeout: Duration) -> Self {
         Self {
-            sharded: client.is_clustered(),
-            client,
+            sharded: nodes.default_client().is_clustered(),
+            nodes,
             timeout,
-            breakers,
             scripts: Scripts::new(),
         }
     }
 
-    /// Keeps the connections' upkeep running in the background until the
-    /// handle is dropped: the scripts loaded on every new connection (see
-    /// `scripts.rs`) and, on a cluster, the breakers following the topology.
-    #[must_use = "dropping the handle stops the upkeep"]
-    pub fn upkeep(&self) -> AbortOnDropHandle<()> {
-        let scripts = scripts::keep_loaded(
-            self.scripts.clone(),
-            self.client.clone(),
-            self.breakers.clone(),
-            self.timeout,
-        );
-        let topology = follow_topology(self.client.clone(), self.breakers.clone());
-        AbortOnDropHandle::new(tokio::spawn(async move {
-            tokio::join!(scripts, topology);
-        }))
+    /// Starts the connections' upkeep (see [`nodes::keep`]): the scripts
+    /// loaded on every new connection and, on a cluster, the nodes following
+    /// the topology while the returned handle lives.
+    #[must_use = "dropping the handle stops following the cluster's topology"]
+    pub fn upkeep(&self) -> Option<AbortOnDropHandle<()>> {
+        nodes::keep(&self.nodes, self.scripts.clone(), self.timeout)
     }
 
     /// Whether every circuit breaker in use lets commands through.
     pub fn breaker_closed(&self) -> bool {
-        self.breakers.state() == State::Closed
+        self.nodes.state() == State::Closed
     }
 
     /// Puts the breakers' state in the metrics (before they are rendered).
     pub fn report_breakers(&self) {
-        self.breakers.report();
+        self.nodes.report();
     }
 
-    /// Runs one command on `key` under its breaker and REDIS_TIMEOUT.
+    /// Runs one command of `node`'s client under its breaker and
+    /// REDIS_TIMEOUT.
     async fn bounded<T>(
         &self,
-        key: &str,
+        node: &Node,
         fut: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, RedisError> {
-        guarded(&self.breakers.for_key(key), self.timeout, fut).await
+        let result = guarded(&node.breaker, self.timeout, fut).await;
+        self.notice(&result);
+        result
+    }
+
+    /// Has the topology re-read when a node says a key is not its own.
+    fn notice<T>(&self, result: &Result<T, RedisError>) {
+        if let Err(RedisError::Command(e)) = result {
+            if e.details().starts_with("MOVED") || e.details().starts_with("ASK") {
+                self.nodes.moved();
+            }
+        }
     }
 
     /// Runs one command of lock hygiene (finish, release, extend) under
@@ -206,7 +208,9 @@ impl RedisCommands {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => {
                 metrics::redis_error(error_label(&e));
-                Err(e.into())
+                let error = Err(e.into());
+                self.notice(&error);
+                error
             }
             Err(_) => {
                 metrics::redis_error("timeout");
@@ -218,7 +222,8 @@ impl RedisCommands {
     /// GET a value key and decode it. Bytes that are not an entry count as
     /// absent: the next store overwrites them.
     pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
-        let raw: Option<Bytes> = self.bounded(key, self.client.get(key)).await?;
+        let node = self.nodes.for_key(key);
+        let raw: Option<Bytes> = self.bounded(&node, node.client.get(key)).await?;
         Ok(raw.and_then(|raw| match Entry::decode(raw) {
             Ok(entry) => Some(entry),
             Err(error) => {
@@ -232,12 +237,11 @@ impl RedisCommands {
     /// SET a value with a TTL (the strategies without a lock).
     pub async fn store(&self, key: &str, entry: &Entry, ttl: Duration) -> Result<(), RedisError> {
         let px = Expiration::PX(ms(ttl).max(1));
-        self.bounded(
-            key,
-            self.client
-                .set::<(), _, _>(key, entry.raw().clone(), Some(px), None, false),
-        )
-        .await
+        let node = self.nodes.for_key(key);
+        let set = node
+            .client
+            .set::<(), _, _>(key, entry.raw().clone(), Some(px), None, false);
+        self.bounded(&node, set).await
     }
 
     /// `SET lock token NX PX ttl`: true when this caller now holds the lock.
@@ -248,20 +252,19 @@ impl RedisCommands {
         ttl: Duration,
     ) -> Result<bool, RedisError> {
         let px = Expiration::PX(ms(ttl).max(1));
-        let reply: Option<String> = self
-            .bounded(
-                key,
-                self.client
-                    .set(key, token, Some(px), Some(SetOptions::NX), false),
-            )
-            .await?;
+        let node = self.nodes.for_key(key);
+        let set = node
+            .client
+            .set(key, token, Some(px), Some(SetOptions::NX), false);
+        let reply: Option<String> = self.bounded(&node, set).await?;
         metrics::lock_election(reply.is_some());
         Ok(reply.is_some())
     }
 
     /// PTTL of a lock.
     pub async fn pttl(&self, key: &str) -> Result<LockTtl, RedisError> {
-        let ms: i64 = self.bounded(key, self.client.pttl(key)).await?;
+        let node = self.nodes.for_key(key);
+        let ms: i64 = self.bounded(&node, node.client.pttl(key)).await?;
         Ok(match ms {
             -2 => LockTtl::Absent,
             ms if ms < 0 => LockTtl::NoExpiry,
@@ -289,7 +292,7 @@ impl RedisCommands {
         ];
         let (released, payload): (i64, Bytes) = self
             .unrefused(self.scripts.finish.evalsha_with_reload(
-                &self.client,
+                &self.nodes.for_key(&keys.value).client,
                 vec![
                     keys.value.as_str(),
                     keys.lock.as_str(),
@@ -309,7 +312,7 @@ impl RedisCommands {
     pub async fn release(&self, lock_key: &str, token: &str) -> Result<bool, RedisError> {
         let released: i64 = self
             .unrefused(self.scripts.release.evalsha_with_reload(
-                &self.client,
+                &self.nodes.for_key(lock_key).client,
                 vec![lock_key],
                 vec![token],
             ))
@@ -326,7 +329,7 @@ impl RedisCommands {
     ) -> Result<bool, RedisError> {
         let extended: i64 = self
             .unrefused(self.scripts.extend.evalsha_with_reload(
-                &self.client,
+                &self.nodes.for_key(lock_key).client,
                 vec![lock_key],
                 vec![Value::from(token), Value::Integer(ms(ttl).max(1))],
             ))
@@ -336,27 +339,10 @@ impl RedisCommands {
 
     /// PING, for readiness (bypasses the breaker: readiness must see the truth).
     pub async fn ping(&self) -> Result<(), RedisError> {
-        match tokio::time::timeout(self.timeout, self.client.ping::<()>(None)).await {
+        let ping = self.nodes.default_client().ping::<()>(None);
+        match tokio::time::timeout(self.timeout, ping).await {
             Ok(result) => Ok(result?),
             Err(_) => Err(RedisError::Timeout(self.timeout)),
-        }
-    }
-}
-
-/// On a Redis Cluster, points the breakers at each slot's node whenever the
-/// client's view of the topology changes (a failover, a resharding).
-async fn follow_topology(client: Client, breakers: Arc<Breakers>) {
-    if !client.is_clustered() {
-        return;
-    }
-    let mut changes = client.cluster_change_rx();
-    loop {
-        if let Some(state) = client.cached_cluster_state() {
-            breakers.route(state.slots());
-        }
-        match changes.recv().await {
-            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-            Err(broadcast::error::RecvError::Closed) => return,
         }
     }
 }

@@ -8,10 +8,7 @@
 //! EVALSHA's reload on NOSCRIPT stays as the fallback for a server that lost
 //! its scripts without a reconnect (SCRIPT FLUSH).
 
-use std::{
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use fred::{
     prelude::*,
@@ -19,10 +16,7 @@ use fred::{
 };
 use tokio::sync::broadcast;
 
-use super::{
-    breaker::Breakers,
-    redis::{with_backoff, RedisError},
-};
+use super::redis::{with_backoff, RedisError};
 use crate::cache::entry;
 
 /// The leader's finish, in one round trip, fenced by the lock.
@@ -144,14 +138,14 @@ impl Scripts {
 }
 
 /// Loads the scripts on each connection of `client` as it is (re)established,
-/// then closes that server's breaker: a server that took them answers. Runs as long as
-/// the client; the connection made before it started is covered by a first
-/// load everywhere.
+/// then calls `loaded` with the server (which then closes its breaker: a
+/// server that took them answers). Runs until aborted; the connection made
+/// before it started is covered by a first load everywhere.
 pub(super) async fn keep_loaded(
     scripts: Scripts,
     client: Client,
-    breakers: Arc<Breakers>,
     timeout: Duration,
+    loaded: impl Fn(&Server) + Send + 'static,
 ) {
     let mut reconnects = client.reconnect_rx();
     if client.is_connected() {
@@ -165,7 +159,7 @@ pub(super) async fn keep_loaded(
             Err(broadcast::error::RecvError::Lagged(_)) => None,
             Err(broadcast::error::RecvError::Closed) => return,
         };
-        let loaded = with_backoff(Instant::now() + LOAD_PATIENCE, || async {
+        let load = with_backoff(Instant::now() + LOAD_PATIENCE, || async {
             let load = async {
                 match &server {
                     Some(server) => scripts.load_on(&client, server).await,
@@ -178,11 +172,11 @@ pub(super) async fn keep_loaded(
             }
         })
         .await;
-        match loaded {
+        match load {
             Ok(()) => {
                 tracing::debug!(?server, "scripts loaded on a new connection");
                 if let Some(server) = &server {
-                    breakers.for_node(server).reconnected();
+                    loaded(server);
                 }
             }
             Err(error) => {

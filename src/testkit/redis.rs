@@ -303,6 +303,31 @@ impl RedisCluster {
         None
     }
 
+    /// Moves `key`'s slot, and the keys in it, from its master to the
+    /// master on `to` (a resharding of one slot, as `redis-cli --cluster
+    /// reshard` does it).
+    pub fn move_slot(&self, key: &str, to: u16) {
+        let from = self.master_of(key);
+        let slot = self.cli(from, &["cluster", "keyslot", key]);
+        let id = |port: u16| self.cli(port, &["cluster", "myid"]);
+        let (from_id, to_id) = (id(from), id(to));
+        self.cli(to, &["cluster", "setslot", &slot, "importing", &from_id]);
+        self.cli(from, &["cluster", "setslot", &slot, "migrating", &to_id]);
+        let keys = self.cli(from, &["cluster", "getkeysinslot", &slot, "1000"]);
+        let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+        if !keys.is_empty() {
+            let to_port = to.to_string();
+            let mut migrate = vec!["migrate", "127.0.0.1", &to_port, "", "0", "5000", "KEYS"];
+            migrate.extend(keys);
+            assert_eq!(self.cli(from, &migrate), "OK", "MIGRATE");
+        }
+        for (port, node) in self.ports.iter().zip(&self.nodes) {
+            if node.is_some() {
+                self.cli(*port, &["cluster", "setslot", &slot, "node", &to_id]);
+            }
+        }
+    }
+
     /// SIGKILL the node on `port`.
     pub fn kill(&mut self, port: u16) {
         let i = self.ports.iter().position(|p| *p == port).unwrap();

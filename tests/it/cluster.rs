@@ -125,3 +125,30 @@ async fn on_a_cluster_waiters_whose_pubsub_connection_is_killed_subscribe_again(
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_a_slot_moves_to_another_master_its_keys_are_cached_again() {
+    let cluster = RedisCluster::start(3, 0).await;
+    let env = TestEnv::with_redis(10, cluster.url()).await;
+    let app = env.spawn(&["--redis-timeout", "200ms"]).await;
+    let key = env.keys.value(1);
+    assert_eq!(app.get("/posts/1").await.x_cache.as_deref(), Some("miss"));
+    let from = cluster.master_of(&key);
+    let to = *cluster.ports.iter().find(|&&p| p != from).unwrap();
+
+    cluster.move_slot(&key, to);
+
+    // The node that lost the slot answers MOVED: the service re-reads the
+    // topology and sends the slot's commands to its new master.
+    assert_eq!(cluster.master_of(&key), to);
+    wait_until(
+        "the moved slot to be cached again",
+        Duration::from_secs(10),
+        async || {
+            let first = app.get("/posts/1").await.x_cache;
+            let again = app.get("/posts/1").await.x_cache;
+            first.as_deref() != Some("bypass") && again.as_deref() == Some("hit")
+        },
+    )
+    .await;
+}

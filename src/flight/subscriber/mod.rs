@@ -31,7 +31,7 @@ use fred::{clients::SubscriberClient, prelude::*};
 use tokio::sync::broadcast;
 
 use super::{
-    breaker::Breakers,
+    nodes::Nodes,
     redis::{guarded, RedisError},
 };
 use crate::telemetry::metrics;
@@ -72,7 +72,8 @@ pub struct Subscriber {
     /// travels to the shard that owns the key.
     sharded: bool,
     timeout: Duration,
-    breakers: Arc<Breakers>,
+    /// The commands' nodes, for their breakers.
+    nodes: Arc<Nodes>,
     /// Channel name → slot. A std mutex: held only for map operations, never
     /// across an await, and taken by the message dispatcher for every message.
     slots: Mutex<HashMap<String, Registered>>,
@@ -95,16 +96,12 @@ pub struct Subscription {
 impl Subscriber {
     /// Wraps a connected (or connecting) subscriber client and starts the
     /// dispatcher and the re-subscription task.
-    pub fn start(
-        client: SubscriberClient,
-        timeout: Duration,
-        breakers: Arc<Breakers>,
-    ) -> Arc<Self> {
+    pub fn start(client: SubscriberClient, timeout: Duration, nodes: Arc<Nodes>) -> Arc<Self> {
         let this = Arc::new(Self {
             sharded: client.is_clustered(),
             client,
             timeout,
-            breakers,
+            nodes,
             slots: Mutex::new(HashMap::new()),
             uncertain: Mutex::default(),
         });
@@ -141,8 +138,8 @@ impl Subscriber {
             // Uncertain until confirmed: the SUBSCRIBE may fail, time out or
             // be cancelled and still reach the server.
             self.set_uncertain(channel, true);
-            let breaker = self.breakers.for_key(channel);
-            guarded(&breaker, self.timeout, self.server_subscribe(channel)).await?;
+            let node = self.nodes.for_key(channel);
+            guarded(&node.breaker, self.timeout, self.server_subscribe(channel)).await?;
             self.set_uncertain(channel, false);
             *subscribed = true;
             metrics::subscribed_channels(1.0);
