@@ -44,6 +44,8 @@ pub struct Application {
     state: AppState,
     redis: Client,
     subscriber: SubscriberClient,
+    /// On a cluster, the clients of its nodes, stopped at shutdown.
+    nodes: Arc<Nodes>,
     /// The Redis connections' upkeep (scripts, cluster topology) while the
     /// service runs.
     _upkeep: Option<AbortOnDropHandle<()>>,
@@ -80,7 +82,7 @@ impl Application {
             PostStore::new(pool.clone()),
             Keys::new(c.key_prefix.clone(), "post"),
             commands,
-            Subscriber::start(subscriber.clone(), c.redis_timeout, nodes),
+            Subscriber::start(subscriber.clone(), c.redis_timeout),
             settings,
         );
         let state = AppState {
@@ -101,6 +103,7 @@ impl Application {
             state,
             redis,
             subscriber,
+            nodes,
             _upkeep: upkeep,
         })
     }
@@ -135,6 +138,7 @@ impl Application {
         let quit = async {
             let _ = self.subscriber.quit().await;
             let _ = self.redis.quit().await;
+            self.nodes.stop().await;
         };
         if tokio::time::timeout(QUIT_LIMIT, quit).await.is_err() {
             tracing::warn!("redis did not answer QUIT; closing anyway");
@@ -212,10 +216,12 @@ async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberCl
             c.internal_command_timeout = args.cache.redis_timeout.max(Duration::from_millis(500));
         })
         .with_performance_config(|p| {
-            // Each command bounded inside the client too, so that one whose
-            // caller gave up (REDIS_TIMEOUT) is marked and never sent later:
-            // without it the client would replay it on the next connection,
-            // a lock attempt nobody waits for any more among them.
+            // Each command bounded inside the client too: a command whose
+            // own bound fires is marked, and the client does not replay it on
+            // the next connection. (The read path's bound, the same
+            // REDIS_TIMEOUT, may fire first, or the request go away, and then
+            // the command can still be replayed: a lock attempt left that way
+            // is released behind it, see `leader.rs`.)
             p.default_command_timeout = args.cache.redis_timeout;
             // The shared subscriber's fan-out buffer: a stampede over many
             // keys must not lag it (a lag costs every waiter a re-check).

@@ -45,9 +45,12 @@ const QUIT_LIMIT: Duration = Duration::from_secs(2);
 pub struct Node {
     pub client: Client,
     pub breaker: Breaker,
-    /// Loads the scripts on each of the client's new connections (then
-    /// closes the breaker); stops with the node.
-    upkeep: std::sync::Mutex<Option<AbortOnDropHandle<()>>>,
+    /// Tasks that stop with the node: the upkeep (the scripts loaded on each
+    /// of the client's new connections, then the breaker closed) and, for a
+    /// cluster node's own client, its connection (aborted even while it
+    /// reconnects to a node that is gone).
+    tasks: std::sync::Mutex<Vec<AbortOnDropHandle<()>>>,
+    connection: std::sync::Mutex<Option<AbortOnDropHandle<Result<(), fred::error::Error>>>>,
 }
 
 impl Node {
@@ -55,20 +58,53 @@ impl Node {
         Arc::new(Self {
             client,
             breaker: Breaker::default(),
-            upkeep: std::sync::Mutex::default(),
+            tasks: std::sync::Mutex::default(),
+            connection: std::sync::Mutex::default(),
         })
     }
 
-    /// Starts the upkeep of this node's connections.
+    fn hold(&self, task: AbortOnDropHandle<()>) {
+        self.tasks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(task);
+    }
+
+    /// Starts the upkeep of this node's connections; before the client
+    /// connects, so that its first connection is seen too.
     fn keep(self: &Arc<Self>, scripts: &Scripts, timeout: Duration) {
         let node = Arc::downgrade(self);
-        let task = scripts::keep_loaded(scripts.clone(), self.client.clone(), timeout, move |_| {
+        let reconnects = self.client.reconnect_rx();
+        let client = self.client.clone();
+        let task = scripts::keep_loaded(scripts.clone(), client, reconnects, timeout, move |_| {
             if let Some(node) = node.upgrade() {
                 node.breaker.reconnected();
             }
         });
-        let handle = AbortOnDropHandle::new(tokio::spawn(task));
-        *self.upkeep.lock().unwrap_or_else(PoisonError::into_inner) = Some(handle);
+        self.hold(AbortOnDropHandle::new(tokio::spawn(task)));
+    }
+
+    /// Connects this node's own client, reconnecting until the node stops.
+    fn connect(&self) {
+        let connection = AbortOnDropHandle::new(self.client.connect());
+        *self
+            .connection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(connection);
+    }
+
+    /// QUIT, bounded, then stops the node's tasks (a client still
+    /// reconnecting to a node that is gone would never read the QUIT).
+    async fn stop(&self) {
+        let _ = tokio::time::timeout(QUIT_LIMIT, self.client.quit()).await;
+        self.connection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        self.tasks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
     }
 }
 
@@ -220,6 +256,15 @@ impl Nodes {
             .unwrap_or(State::Closed)
     }
 
+    /// At shutdown: stops the clients of a cluster's nodes (the cluster
+    /// client, or the one client of a single Redis, is the caller's).
+    pub async fn stop(&self) {
+        let nodes: Vec<Arc<Node>> = self.routes().nodes.values().cloned().collect();
+        for node in nodes {
+            node.stop().await;
+        }
+    }
+
     /// Reports [`Nodes::state`] in the metrics.
     pub fn report(&self) {
         metrics::breaker_state(self.state() as u8 as f64);
@@ -257,13 +302,11 @@ async fn follow_topology(nodes: Weak<Nodes>, scripts: Scripts, timeout: Duration
         if let Some(state) = strong.default.client.cached_cluster_state() {
             let (made, left) = strong.route(state.slots());
             for node in made {
-                drop(node.client.connect());
                 node.keep(&scripts, timeout);
+                node.connect();
             }
             for node in left {
-                tokio::spawn(async move {
-                    let _ = tokio::time::timeout(QUIT_LIMIT, node.client.quit()).await;
-                });
+                tokio::spawn(async move { node.stop().await });
             }
         }
         drop(strong);

@@ -1,5 +1,6 @@
 //! The Redis commands of the read path, each bounded by REDIS_TIMEOUT and
-//! guarded by the circuit breaker.
+//! guarded by the circuit breaker of the node that serves the key
+//! (`nodes.rs`).
 
 use std::{
     future::Future,
@@ -18,7 +19,7 @@ use tokio_util::task::AbortOnDropHandle;
 use super::{
     breaker::{Breaker, State},
     freshness::StoreFor,
-    nodes::{self, Node, Nodes},
+    nodes::{self, Nodes},
     scripts::Scripts,
 };
 use crate::{
@@ -109,6 +110,9 @@ fn ms(d: Duration) -> i64 {
 /// a busy script, a cluster down or mid-resharding). Other error replies
 /// prove Redis up.
 fn is_outage(e: &fred::error::Error) -> bool {
+    if is_redirect(e) {
+        return false;
+    }
     /// Error reply prefixes of a Redis that is up but not serving.
     const NOT_SERVING: [&str; 6] = [
         "LOADING",
@@ -130,6 +134,16 @@ fn is_outage(e: &fred::error::Error) -> bool {
     );
     let details = e.details().trim_start();
     unreachable || NOT_SERVING.iter().any(|p| details.starts_with(p))
+}
+
+/// A MOVED or ASK reply: the key's slot is served by another node (a
+/// resharding, a failover), which proves this node up.
+fn is_redirect(e: &fred::error::Error) -> bool {
+    is_moved(e) || e.details().trim_start().starts_with("ASK ")
+}
+
+fn is_moved(e: &fred::error::Error) -> bool {
+    e.details().trim_start().starts_with("MOVED ")
 }
 
 /// The `kind` label of a failed command in the metrics.
@@ -175,32 +189,60 @@ impl RedisCommands {
         self.nodes.report();
     }
 
-    /// Runs one command of `node`'s client under its breaker and
-    /// REDIS_TIMEOUT.
-    async fn bounded<T>(
+    /// Runs `command` on the client of `key`'s node, under that node's
+    /// breaker and REDIS_TIMEOUT (see [`RedisCommands::redirected`]).
+    async fn bounded<T, Fut>(
         &self,
-        node: &Node,
-        fut: impl Future<Output = Result<T, fred::error::Error>>,
-    ) -> Result<T, RedisError> {
-        let result = guarded(&node.breaker, self.timeout, fut).await;
-        self.notice(&result);
-        result
-    }
-
-    /// Has the topology re-read when a node says a key is not its own.
-    fn notice<T>(&self, result: &Result<T, RedisError>) {
-        if let Err(RedisError::Command(e)) = result {
-            if e.details().starts_with("MOVED") || e.details().starts_with("ASK") {
-                self.nodes.moved();
-            }
+        key: &str,
+        command: impl Fn(Client) -> Fut,
+    ) -> Result<T, RedisError>
+    where
+        Fut: Future<Output = Result<T, fred::error::Error>>,
+    {
+        let node = self.nodes.for_key(key);
+        match guarded(&node.breaker, self.timeout, command(node.client.clone())).await {
+            Err(RedisError::Command(e)) if is_moved(&e) => self.redirected(command).await,
+            result => result,
         }
     }
 
-    /// Runs one command of lock hygiene (finish, release, extend) under
-    /// REDIS_TIMEOUT but not the breaker: a leader must be able to finish and
-    /// let go of its lock whatever other commands of this process met (in a
-    /// cluster, another shard may be down).
-    async fn unrefused<T>(
+    /// Runs one command of lock hygiene (finish, release, extend) on the
+    /// client of `key`'s node, under REDIS_TIMEOUT but not the breaker: a
+    /// leader must be able to finish and let go of its lock whatever other
+    /// commands of this process met.
+    async fn unrefused<T, Fut>(
+        &self,
+        key: &str,
+        command: impl Fn(Client) -> Fut,
+    ) -> Result<T, RedisError>
+    where
+        Fut: Future<Output = Result<T, fred::error::Error>>,
+    {
+        let node = self.nodes.for_key(key);
+        match self.timed(command(node.client.clone())).await {
+            Err(RedisError::Command(e)) if is_moved(&e) => self.redirected(command).await,
+            result => result,
+        }
+    }
+
+    /// A node answered MOVED: the key's slot is served elsewhere (a
+    /// resharding, or a failover not seen yet). The topology is re-read in
+    /// the background, and the command goes once more through the cluster
+    /// client, which follows MOVED by itself. (An ASK, for a key already
+    /// moved out of a slot being migrated, is not followed: the client
+    /// library's ASK handling fails after several ASKINGs in version 10.1, so
+    /// such a read fails open until the migration is done.)
+    async fn redirected<T, Fut>(&self, command: impl Fn(Client) -> Fut) -> Result<T, RedisError>
+    where
+        Fut: Future<Output = Result<T, fred::error::Error>>,
+    {
+        self.nodes.moved();
+        self.timed(command(self.nodes.default_client().clone()))
+            .await
+    }
+
+    /// One command under REDIS_TIMEOUT, its failure counted.
+    async fn timed<T>(
         &self,
         fut: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, RedisError> {
@@ -208,9 +250,7 @@ impl RedisCommands {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => {
                 metrics::redis_error(error_label(&e));
-                let error = Err(e.into());
-                self.notice(&error);
-                error
+                Err(e.into())
             }
             Err(_) => {
                 metrics::redis_error("timeout");
@@ -222,8 +262,9 @@ impl RedisCommands {
     /// GET a value key and decode it. Bytes that are not an entry count as
     /// absent: the next store overwrites them.
     pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
-        let node = self.nodes.for_key(key);
-        let raw: Option<Bytes> = self.bounded(&node, node.client.get(key)).await?;
+        let raw: Option<Bytes> = self
+            .bounded(key, |c| async move { c.get(key).await })
+            .await?;
         Ok(raw.and_then(|raw| match Entry::decode(raw) {
             Ok(entry) => Some(entry),
             Err(error) => {
@@ -236,12 +277,13 @@ impl RedisCommands {
 
     /// SET a value with a TTL (the strategies without a lock).
     pub async fn store(&self, key: &str, entry: &Entry, ttl: Duration) -> Result<(), RedisError> {
-        let px = Expiration::PX(ms(ttl).max(1));
-        let node = self.nodes.for_key(key);
-        let set = node
-            .client
-            .set::<(), _, _>(key, entry.raw().clone(), Some(px), None, false);
-        self.bounded(&node, set).await
+        let px = ms(ttl).max(1);
+        self.bounded(key, |c| async move {
+            let value = entry.raw().clone();
+            c.set(key, value, Some(Expiration::PX(px)), None, false)
+                .await
+        })
+        .await
     }
 
     /// `SET lock token NX PX ttl`: true when this caller now holds the lock.
@@ -251,20 +293,22 @@ impl RedisCommands {
         token: &str,
         ttl: Duration,
     ) -> Result<bool, RedisError> {
-        let px = Expiration::PX(ms(ttl).max(1));
-        let node = self.nodes.for_key(key);
-        let set = node
-            .client
-            .set(key, token, Some(px), Some(SetOptions::NX), false);
-        let reply: Option<String> = self.bounded(&node, set).await?;
+        let px = ms(ttl).max(1);
+        let reply: Option<String> = self
+            .bounded(key, |c| async move {
+                let nx = Some(SetOptions::NX);
+                c.set(key, token, Some(Expiration::PX(px)), nx, false).await
+            })
+            .await?;
         metrics::lock_election(reply.is_some());
         Ok(reply.is_some())
     }
 
     /// PTTL of a lock.
     pub async fn pttl(&self, key: &str) -> Result<LockTtl, RedisError> {
-        let node = self.nodes.for_key(key);
-        let ms: i64 = self.bounded(&node, node.client.pttl(key)).await?;
+        let ms: i64 = self
+            .bounded(key, |c| async move { c.pttl(key).await })
+            .await?;
         Ok(match ms {
             -2 => LockTtl::Absent,
             ms if ms < 0 => LockTtl::NoExpiry,
@@ -290,16 +334,15 @@ impl RedisCommands {
             Value::from(if self.sharded { "SPUBLISH" } else { "PUBLISH" }),
             Value::Integer(now_millis() as i64),
         ];
+        let script_keys = [&keys.value, &keys.lock, &keys.fail_safe];
         let (released, payload): (i64, Bytes) = self
-            .unrefused(self.scripts.finish.evalsha_with_reload(
-                &self.nodes.for_key(&keys.value).client,
-                vec![
-                    keys.value.as_str(),
-                    keys.lock.as_str(),
-                    keys.fail_safe.as_str(),
-                ],
-                args,
-            ))
+            .unrefused(&keys.value, |c| {
+                let (script_keys, args) = (script_keys.map(String::as_str).to_vec(), args.clone());
+                async move {
+                    let finish = &self.scripts.finish;
+                    finish.evalsha_with_reload(&c, script_keys, args).await
+                }
+            })
             .await?;
         let published = Entry::decode(payload).unwrap_or_else(|_| entry.clone());
         Ok(Finished {
@@ -311,11 +354,12 @@ impl RedisCommands {
     /// Releases a lock if it still holds `token`.
     pub async fn release(&self, lock_key: &str, token: &str) -> Result<bool, RedisError> {
         let released: i64 = self
-            .unrefused(self.scripts.release.evalsha_with_reload(
-                &self.nodes.for_key(lock_key).client,
-                vec![lock_key],
-                vec![token],
-            ))
+            .unrefused(lock_key, |c| async move {
+                let release = &self.scripts.release;
+                release
+                    .evalsha_with_reload(&c, vec![lock_key], vec![token])
+                    .await
+            })
             .await?;
         Ok(released == 1)
     }
@@ -328,11 +372,11 @@ impl RedisCommands {
         ttl: Duration,
     ) -> Result<bool, RedisError> {
         let extended: i64 = self
-            .unrefused(self.scripts.extend.evalsha_with_reload(
-                &self.nodes.for_key(lock_key).client,
-                vec![lock_key],
-                vec![Value::from(token), Value::Integer(ms(ttl).max(1))],
-            ))
+            .unrefused(lock_key, |c| async move {
+                let args = vec![Value::from(token), Value::Integer(ms(ttl).max(1))];
+                let extend = &self.scripts.extend;
+                extend.evalsha_with_reload(&c, vec![lock_key], args).await
+            })
             .await?;
         Ok(extended == 1)
     }

@@ -137,17 +137,18 @@ impl Scripts {
     }
 }
 
-/// Loads the scripts on each connection of `client` as it is (re)established,
-/// then calls `loaded` with the server (which then closes its breaker: a
-/// server that took them answers). Runs until aborted; the connection made
-/// before it started is covered by a first load everywhere.
+/// Loads the scripts on each connection of `client` as it is (re)established
+/// (`reconnects`, taken from the client before it connects), then calls
+/// `loaded` with the server (which then closes its breaker: a server that
+/// took them answers). Runs until aborted; a connection made before the
+/// receiver was taken is covered by a first load everywhere.
 pub(super) async fn keep_loaded(
     scripts: Scripts,
     client: Client,
+    mut reconnects: broadcast::Receiver<Server>,
     timeout: Duration,
     loaded: impl Fn(&Server) + Send + 'static,
 ) {
-    let mut reconnects = client.reconnect_rx();
     if client.is_connected() {
         let _ = tokio::time::timeout(timeout, scripts.load_everywhere(&client)).await;
     }

@@ -307,6 +307,20 @@ impl RedisCluster {
     /// master on `to` (a resharding of one slot, as `redis-cli --cluster
     /// reshard` does it).
     pub fn move_slot(&self, key: &str, to: u16) {
+        let slot = self.begin_slot_move(key, to);
+        let to_id = self.cli(to, &["cluster", "myid"]);
+        for (port, node) in self.ports.iter().zip(&self.nodes) {
+            if node.is_some() {
+                self.cli(*port, &["cluster", "setslot", &slot, "node", &to_id]);
+            }
+        }
+    }
+
+    /// The first half of [`RedisCluster::move_slot`]: the slot marked
+    /// migrating and importing, and its keys moved, but the move not
+    /// finished: its old master answers ASK for the keys it no longer has.
+    /// Returns the slot.
+    pub fn begin_slot_move(&self, key: &str, to: u16) -> String {
         let from = self.master_of(key);
         let slot = self.cli(from, &["cluster", "keyslot", key]);
         let id = |port: u16| self.cli(port, &["cluster", "myid"]);
@@ -321,11 +335,7 @@ impl RedisCluster {
             migrate.extend(keys);
             assert_eq!(self.cli(from, &migrate), "OK", "MIGRATE");
         }
-        for (port, node) in self.ports.iter().zip(&self.nodes) {
-            if node.is_some() {
-                self.cli(*port, &["cluster", "setslot", &slot, "node", &to_id]);
-            }
-        }
+        slot
     }
 
     /// SIGKILL the node on `port`.

@@ -152,3 +152,25 @@ async fn after_a_slot_moves_to_another_master_its_keys_are_cached_again() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn while_a_slot_is_being_moved_its_node_is_not_held_for_down() {
+    let cluster = RedisCluster::start(3, 0).await;
+    let env = TestEnv::with_redis(10, cluster.url()).await;
+    let app = env.spawn(&["--redis-timeout", "200ms"]).await;
+    let key = env.keys.value(1);
+    assert_eq!(app.get("/posts/1").await.x_cache.as_deref(), Some("miss"));
+    let from = cluster.master_of(&key);
+    let to = *cluster.ports.iter().find(|&&p| p != from).unwrap();
+
+    // Mid-migration, the old master answers ASK for the moved value: those
+    // reads fail open, but an ASK proves the node up, so its breaker stays
+    // closed however many there are.
+    cluster.begin_slot_move(&key, to);
+    for _ in 0..6 {
+        assert_eq!(app.get("/posts/1").await.status, 200);
+    }
+    let ready = app.get("/readyz").await.json();
+
+    assert_eq!(ready["redis"], "up", "{ready}");
+}

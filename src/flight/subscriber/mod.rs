@@ -31,7 +31,7 @@ use fred::{clients::SubscriberClient, prelude::*};
 use tokio::sync::broadcast;
 
 use super::{
-    nodes::Nodes,
+    breaker::Breaker,
     redis::{guarded, RedisError},
 };
 use crate::telemetry::metrics;
@@ -72,8 +72,10 @@ pub struct Subscriber {
     /// travels to the shard that owns the key.
     sharded: bool,
     timeout: Duration,
-    /// The commands' nodes, for their breakers.
-    nodes: Arc<Nodes>,
+    /// The subscriber connection's own breaker: its failures say nothing of
+    /// the command connections (on a cluster, the library's subscriber
+    /// client holds every command while one primary is unreachable).
+    breaker: Breaker,
     /// Channel name → slot. A std mutex: held only for map operations, never
     /// across an await, and taken by the message dispatcher for every message.
     slots: Mutex<HashMap<String, Registered>>,
@@ -96,12 +98,12 @@ pub struct Subscription {
 impl Subscriber {
     /// Wraps a connected (or connecting) subscriber client and starts the
     /// dispatcher and the re-subscription task.
-    pub fn start(client: SubscriberClient, timeout: Duration, nodes: Arc<Nodes>) -> Arc<Self> {
+    pub fn start(client: SubscriberClient, timeout: Duration) -> Arc<Self> {
         let this = Arc::new(Self {
             sharded: client.is_clustered(),
             client,
             timeout,
-            nodes,
+            breaker: Breaker::default(),
             slots: Mutex::new(HashMap::new()),
             uncertain: Mutex::default(),
         });
@@ -138,8 +140,7 @@ impl Subscriber {
             // Uncertain until confirmed: the SUBSCRIBE may fail, time out or
             // be cancelled and still reach the server.
             self.set_uncertain(channel, true);
-            let node = self.nodes.for_key(channel);
-            guarded(&node.breaker, self.timeout, self.server_subscribe(channel)).await?;
+            guarded(&self.breaker, self.timeout, self.server_subscribe(channel)).await?;
             self.set_uncertain(channel, false);
             *subscribed = true;
             metrics::subscribed_channels(1.0);
