@@ -199,11 +199,7 @@ impl RedisCommands {
     where
         Fut: Future<Output = Result<T, fred::error::Error>>,
     {
-        let node = self.nodes.for_key(key);
-        match guarded(&node.breaker, self.timeout, command(node.client.clone())).await {
-            Err(RedisError::Command(e)) if is_moved(&e) => self.redirected(command).await,
-            result => result,
-        }
+        self.on_node(key, true, command).await
     }
 
     /// Runs one command of lock hygiene (finish, release, extend) on the
@@ -218,8 +214,26 @@ impl RedisCommands {
     where
         Fut: Future<Output = Result<T, fred::error::Error>>,
     {
+        self.on_node(key, false, command).await
+    }
+
+    async fn on_node<T, Fut>(
+        &self,
+        key: &str,
+        refusable: bool,
+        command: impl Fn(Client) -> Fut,
+    ) -> Result<T, RedisError>
+    where
+        Fut: Future<Output = Result<T, fred::error::Error>>,
+    {
         let node = self.nodes.for_key(key);
-        match self.timed(command(node.client.clone())).await {
+        let sent = command(node.client.clone());
+        let result = if refusable {
+            guarded(&node.breaker, self.timeout, sent).await
+        } else {
+            self.timed(sent).await
+        };
+        match result {
             Err(RedisError::Command(e)) if is_moved(&e) => self.redirected(command).await,
             result => result,
         }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use futures::future::join_all;
-use postcache::testkit::{fire, wait_until, RedisCluster, TableLock, TestEnv, PATIENT};
+use postcache::testkit::{fire, wait_until, RedisCluster, TableLock, TestApp, TestEnv, PATIENT};
 
 use crate::scenarios;
 
@@ -126,8 +126,9 @@ async fn on_a_cluster_waiters_whose_pubsub_connection_is_killed_subscribe_again(
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn after_a_slot_moves_to_another_master_its_keys_are_cached_again() {
+/// A cluster, an instance that has cached post 1, post 1's value key, and
+/// a master other than the one that serves it.
+async fn post_one_cached_on_a_cluster() -> (RedisCluster, TestEnv, TestApp, String, u16) {
     let cluster = RedisCluster::start(3, 0).await;
     let env = TestEnv::with_redis(10, cluster.url()).await;
     let app = env.spawn(&["--redis-timeout", "200ms"]).await;
@@ -135,6 +136,12 @@ async fn after_a_slot_moves_to_another_master_its_keys_are_cached_again() {
     assert_eq!(app.get("/posts/1").await.x_cache.as_deref(), Some("miss"));
     let from = cluster.master_of(&key);
     let to = *cluster.ports.iter().find(|&&p| p != from).unwrap();
+    (cluster, env, app, key, to)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_a_slot_moves_to_another_master_its_keys_are_cached_again() {
+    let (cluster, _env, app, key, to) = post_one_cached_on_a_cluster().await;
 
     cluster.move_slot(&key, to);
 
@@ -155,13 +162,7 @@ async fn after_a_slot_moves_to_another_master_its_keys_are_cached_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn while_a_slot_is_being_moved_its_node_is_not_held_for_down() {
-    let cluster = RedisCluster::start(3, 0).await;
-    let env = TestEnv::with_redis(10, cluster.url()).await;
-    let app = env.spawn(&["--redis-timeout", "200ms"]).await;
-    let key = env.keys.value(1);
-    assert_eq!(app.get("/posts/1").await.x_cache.as_deref(), Some("miss"));
-    let from = cluster.master_of(&key);
-    let to = *cluster.ports.iter().find(|&&p| p != from).unwrap();
+    let (cluster, _env, app, key, to) = post_one_cached_on_a_cluster().await;
 
     // Mid-migration, the old master answers ASK for the moved value: those
     // reads fail open, but an ASK proves the node up, so its breaker stays
