@@ -14,15 +14,6 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use postcache::testkit::{wait_until, Http, TableLock, TestEnv};
 
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 async fn gauge(http: &Http, name: &str) -> f64 {
     http.get("/metrics")
         .await
@@ -47,16 +38,17 @@ async fn main() {
             ("LOCK_TTL", "90s".into()),
             ("DB_STATEMENT_TIMEOUT", "80s".into()),
             ("REQUEST_TIMEOUT", "120s".into()),
+            // Every request on a connection of its own, and the metrics' too.
+            ("MAX_CONNECTIONS", (n + 16).to_string()),
             ("RUST_LOG", "warn".into()),
         ])
         .await;
-    let pid = service.pid();
     let http = &service.http;
     // Warm the connection pools and allocator with a few ordinary requests.
     for id in 1..=5 {
         http.get(&format!("/posts/{id}")).await;
     }
-    let idle = rss_kib(pid);
+    let idle = service.resident_mib();
 
     let lock = TableLock::take(&env).await;
     let started = Instant::now();
@@ -69,27 +61,24 @@ async fn main() {
     .await;
     let arrived = started.elapsed();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let waiting = rss_kib(pid);
+    let waiting = service.resident_mib();
     lock.release().await;
     let statuses = join_all(requests).await;
     let ok = statuses
         .iter()
         .filter(|r| r.as_ref().is_ok_and(|(reply, _)| reply.status == 200))
         .count();
-    let after = rss_kib(pid);
+    let after = service.resident_mib();
 
     println!("| instance state | resident memory (MiB) |");
     println!("|---|---|");
-    println!("| idle, warmed | {:.1} |", idle as f64 / 1024.0);
-    println!(
-        "| {n} requests waiting on one load | {:.1} |",
-        waiting as f64 / 1024.0
-    );
-    println!("| after all were answered | {:.1} |", after as f64 / 1024.0);
+    println!("| idle, warmed | {idle:.1} |");
+    println!("| {n} requests waiting on one load | {waiting:.1} |");
+    println!("| after all were answered | {after:.1} |");
     println!();
     println!(
         "{:.1} KiB per waiting request (connection, HTTP state, task); {n} arrived in {:.1} s; {ok}/{n} answered 200",
-        (waiting.saturating_sub(idle)) as f64 / n as f64,
+        (waiting - idle) * 1024.0 / n as f64,
         arrived.as_secs_f64()
     );
 }

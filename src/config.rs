@@ -96,6 +96,22 @@ pub struct ServeArgs {
     /// Longest any request may take before a 503 (a backstop over every other bound).
     #[arg(long, env = "REQUEST_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub request_timeout: Duration,
+
+    /// A connection whose request headers are not complete this long after
+    /// it opened, or after the first byte of a request on a kept-alive
+    /// connection, is closed.
+    #[arg(long, env = "HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub header_read_timeout: Duration,
+
+    /// A kept-alive connection with no request in flight this long is closed.
+    #[arg(long, env = "IDLE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub idle_timeout: Duration,
+
+    /// Most connections open at once; past it, a new connection is answered
+    /// 503 and closed. About 20 KiB each: the default bounds them to about
+    /// 200 MiB (lowered at start to what the file-descriptor limit allows).
+    #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 10_000)]
+    pub max_connections: usize,
 }
 
 /// How a read finds its way from Redis to PostgreSQL (see the load-lab issue).
@@ -243,6 +259,15 @@ impl ServeArgs {
             !self.request_timeout.is_zero(),
             "REQUEST_TIMEOUT must be positive"
         );
+        anyhow::ensure!(
+            !self.header_read_timeout.is_zero(),
+            "HEADER_READ_TIMEOUT must be positive"
+        );
+        anyhow::ensure!(
+            !self.idle_timeout.is_zero(),
+            "IDLE_TIMEOUT must be positive"
+        );
+        anyhow::ensure!(self.max_connections > 0, "MAX_CONNECTIONS must be positive");
         // A leader's lock must outlive its query: the watchdog extends the
         // lock of a live leader only, so a leader that dies mid-query would
         // otherwise let a second leader load while the first query still runs.
@@ -291,6 +316,9 @@ mod tests {
         assert_eq!(s.cache.stale_while_revalidate, Duration::ZERO);
         assert_eq!(s.cache.max_stale, Duration::from_secs(3600));
         assert_eq!(s.cache.failure_ttl, Duration::from_secs(2));
+        assert_eq!(s.header_read_timeout, Duration::from_secs(10));
+        assert_eq!(s.idle_timeout, Duration::from_secs(60));
+        assert_eq!(s.max_connections, 10_000);
         s.validate().expect("defaults are consistent");
     }
 

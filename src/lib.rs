@@ -7,7 +7,8 @@
 //! - [`config`] — settings, each a flag and an environment variable.
 //! - [`telemetry`] — logging.
 //! - [`startup`] — builds the service, binds, runs until a shutdown future.
-//! - [`http`] — router, handlers, the one HTTP error type.
+//! - [`http`] — router, handlers, the one HTTP error type, and the server
+//!   of connections (header and idle deadlines, the connection cap).
 //! - [`posts`] — the post, its JSON and its SQL.
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`flight`] — the read path: in-process flight, lock with token, shared

@@ -9,7 +9,7 @@ use fred::{
     prelude::*,
     types::config::{Config as RedisConfig, ReconnectPolicy, ServerConfig},
 };
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::{
@@ -17,7 +17,7 @@ use crate::{
     config::ServeArgs,
     db,
     flight::{self, Nodes, ReadPath, RedisCommands, Subscriber},
-    http::{self, AppState, Limits},
+    http::{self, AppState, ConnectionLimits, Limits},
     posts::PostStore,
     telemetry,
 };
@@ -37,10 +37,17 @@ const RECONNECT_MIN_MS: u32 = 50;
 const RECONNECT_MAX_MS: u32 = 100;
 const RECONNECT_JITTER_MS: u32 = 50;
 
+/// Connections the kernel queues for the accept loop (capped by the
+/// system's `somaxconn`). Larger than the usual 1,024, so that a burst of new
+/// connections is accepted, or refused with a 503 past MAX_CONNECTIONS, at
+/// once rather than dropped and retried by the client's TCP a second later.
+const LISTEN_BACKLOG: u32 = 4096;
+
 /// A built, bound, not yet running service.
 pub struct Application {
     listener: TcpListener,
     router: Router,
+    connections: ConnectionLimits,
     state: AppState,
     redis: Client,
     subscriber: SubscriberClient,
@@ -94,11 +101,16 @@ impl Application {
             max_in_flight: args.max_in_flight,
             request_timeout: args.request_timeout,
         };
-        let listener = TcpListener::bind(args.listen_addr)
-            .await
+        let listener = bind(args.listen_addr)
             .with_context(|| format!("failed to bind {}", args.listen_addr))?;
+        let connections = ConnectionLimits {
+            header_read_timeout: args.header_read_timeout,
+            idle_timeout: args.idle_timeout,
+            max_connections: http::connection_cap(args.max_connections),
+        };
         Ok(Self {
             router: http::app(state.clone(), limits),
+            connections,
             listener,
             state,
             redis,
@@ -125,10 +137,7 @@ impl Application {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         tracing::info!(addr = %self.local_addr(), "listening");
-        axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(shutdown)
-            .await
-            .context("server failed")?;
+        http::serve(self.listener, self.router, self.connections, shutdown).await;
         tracing::info!("stopped accepting; finishing flights and refreshes");
         if !self.state.read_path.drain(DRAIN_LIMIT).await {
             tracing::warn!("flights still running at shutdown; their locks expire by themselves");
@@ -151,6 +160,20 @@ impl Application {
         }
         Ok(())
     }
+}
+
+/// Binds the listener with a listen queue of LISTEN_BACKLOG.
+fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    // As std's bind does: a restarted instance can bind at once although
+    // connections of the previous one linger in TIME_WAIT.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// Reads REDIS_URL: `redis://` or `rediss://` for one server,

@@ -30,6 +30,8 @@ pub enum ApiError {
     WaitTimeout,
     #[error("overloaded, try again")]
     Overloaded,
+    #[error("too many connections, try again")]
+    TooManyConnections,
     #[error("the request took too long")]
     RequestTimeout,
     #[error("internal error")]
@@ -42,9 +44,10 @@ impl ApiError {
             ApiError::InvalidId(_) | ApiError::InvalidPath => StatusCode::BAD_REQUEST,
             ApiError::PostNotFound | ApiError::RouteNotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::Unavailable | ApiError::Overloaded | ApiError::RequestTimeout => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::Unavailable
+            | ApiError::Overloaded
+            | ApiError::TooManyConnections
+            | ApiError::RequestTimeout => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::WaitTimeout => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }

@@ -5,6 +5,7 @@ mod error;
 mod handlers;
 mod id;
 mod served;
+mod server;
 
 use std::{sync::Arc, time::Duration};
 
@@ -17,6 +18,7 @@ use tower::ServiceBuilder;
 
 pub use error::ApiError;
 pub use id::{InvalidId, PostId};
+pub use server::{connection_cap, serve, ConnectionLimits};
 
 use crate::{flight::ReadPath, posts::PostStore, telemetry::metrics};
 

@@ -43,6 +43,13 @@ pub const GARBAGE: &str = "postcache_garbage_total";
 /// Background refreshes by result: refreshed, lost (another holds the lock), failed.
 pub const REFRESHES: &str = "postcache_refreshes_total";
 
+/// Client connections open.
+pub const CONNECTIONS_OPEN: &str = "postcache_connections_open";
+/// Connections refused (answered 503 and closed) past MAX_CONNECTIONS.
+pub const CONNECTIONS_REFUSED: &str = "postcache_connections_refused_total";
+/// Connections closed by a deadline, by timeout: header_read, idle.
+pub const CONNECTIONS_TIMED_OUT: &str = "postcache_connections_timed_out_total";
+
 /// Every metric name, for checks that dashboards name only what exists.
 pub const ALL: &[&str] = &[
     REQUESTS,
@@ -60,6 +67,9 @@ pub const ALL: &[&str] = &[
     READS,
     GARBAGE,
     REFRESHES,
+    CONNECTIONS_OPEN,
+    CONNECTIONS_REFUSED,
+    CONNECTIONS_TIMED_OUT,
 ];
 
 /// Buckets for request, load and wait durations: 0.5 ms to 10 s.
@@ -122,6 +132,15 @@ fn describe() {
     describe_gauge!(READS, "Reads not yet answered, waiting ones included.");
     describe_counter!(GARBAGE, "Undecodable cache entries or ready messages met.");
     describe_counter!(REFRESHES, "Background refreshes by result.");
+    describe_gauge!(CONNECTIONS_OPEN, "Client connections open.");
+    describe_counter!(
+        CONNECTIONS_REFUSED,
+        "Connections answered 503 and closed past MAX_CONNECTIONS."
+    );
+    describe_counter!(
+        CONNECTIONS_TIMED_OUT,
+        "Connections closed by HEADER_READ_TIMEOUT or IDLE_TIMEOUT, by timeout."
+    );
 }
 
 /// One answered `GET /posts/{id}`.
@@ -174,6 +193,18 @@ pub fn garbage(kind: &'static str) {
 
 pub fn refresh(result: &'static str) {
     counter!(REFRESHES, "result" => result).increment(1);
+}
+
+pub fn connections_open(delta: f64) {
+    gauge!(CONNECTIONS_OPEN).increment(delta);
+}
+
+pub fn connection_refused() {
+    counter!(CONNECTIONS_REFUSED).increment(1);
+}
+
+pub fn connection_timed_out(timeout: &'static str) {
+    counter!(CONNECTIONS_TIMED_OUT, "timeout" => timeout).increment(1);
 }
 
 #[cfg(test)]

@@ -56,6 +56,14 @@ impl Http {
         Self { client, base }
     }
 
+    /// The instance's address, for bare sockets.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.base
+            .trim_start_matches("http://")
+            .parse()
+            .expect("an http://ip:port base")
+    }
+
     /// Sends a request with `headers`; an error when no response came.
     pub async fn send(
         &self,

@@ -6,7 +6,8 @@
 //! PostgreSQL and Redis: in-process on 127.0.0.1:0 ([`TestApp`]) or as a
 //! child process that can be killed ([`ServiceProcess`]). Faults are real
 //! too: a private `redis-server` ([`RedisServer`], [`RedisCluster`]) and a
-//! TCP proxy that cuts or stalls a connection ([`TcpProxy`]).
+//! TCP proxy that cuts or stalls a connection ([`TcpProxy`]), and bare
+//! client sockets that misbehave ([`RawConn`]).
 //!
 //! Every request goes through one client ([`Http`]); every wait goes through
 //! [`wait_until`], its bound in the call.
@@ -15,6 +16,7 @@ mod http;
 mod load;
 mod process;
 mod redis;
+mod socket;
 mod world;
 
 use std::{
@@ -28,6 +30,7 @@ pub use http::{answered, fire, in_progress, Http, Reply, TestApp};
 pub use load::{Record, Sample, SteadyLoad, Zipf};
 pub use process::{ServiceProcess, TcpProxy};
 pub use redis::{RedisCluster, RedisServer};
+pub use socket::{raw_request, RawConn, RawReply};
 pub use world::{blocked_loads, TableLock, TestEnv};
 
 /// Settings for tests that hold a load back: generous bounds, so only the

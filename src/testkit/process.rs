@@ -199,6 +199,18 @@ impl ServiceProcess {
         self.child.as_ref().expect("running").id()
     }
 
+    /// The process's resident memory (VmRSS), in MiB.
+    pub fn resident_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("the process's status");
+        let kib: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS in the status");
+        kib / 1024.0
+    }
+
     pub fn signal(&self, signal: &str) {
         let status = Command::new("kill")
             .args([&format!("-{signal}"), &self.pid().to_string()])

@@ -5,6 +5,7 @@
 
 mod api;
 mod cluster;
+mod connections;
 mod faults;
 mod freshness;
 mod guarantees;

@@ -1,0 +1,314 @@
+//! Serving connections: the accept loop, the connection cap, each
+//! connection's deadlines, and the graceful shutdown.
+//!
+//! `axum::serve` sets no deadline on a connection: a client that never
+//! finishes its headers, or a kept-alive connection nobody uses, is held for
+//! ever, and enough of them exhaust the instance's memory and file
+//! descriptors. Here every connection is closed when its headers take longer
+//! than HEADER_READ_TIMEOUT or it stays idle longer than IDLE_TIMEOUT
+//! ([`deadline`]), and at most MAX_CONNECTIONS are open at once: past it, a
+//! new connection is answered 503 and closed at once, while those already
+//! open keep working.
+
+mod deadline;
+
+use std::{
+    future::Future,
+    io,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use axum::{body::Body, Router};
+use bytes::Bytes;
+use hyper::{body::Incoming, server::conn::http1, Request};
+use hyper_util::rt::TokioIo;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+    sync::{OwnedSemaphorePermit, Semaphore},
+};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tower::ServiceExt;
+
+use self::deadline::{Deadline, Watched};
+use super::ApiError;
+use crate::telemetry::metrics;
+
+/// Refused connections lingering at once to hand over their 503 (past it, a
+/// refused connection is closed without waiting).
+const REFUSALS_LINGERING: usize = 64;
+/// How long a refused connection lingers: its 503 is written, then what the
+/// client sends is read and dropped until it closes, at most this long.
+const REFUSAL_LINGER: Duration = Duration::from_secs(1);
+/// Pause after an accept that failed for want of resources (file
+/// descriptors, memory), before trying again.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// At most one warning per this long about failing accepts.
+const ACCEPT_WARNING_EVERY: Duration = Duration::from_secs(10);
+
+/// What bounds the connections.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    /// Longest from a connection's opening, or from a request's first byte on
+    /// a kept-alive one, to its complete headers.
+    pub header_read_timeout: Duration,
+    /// Longest a kept-alive connection stays open with no request in flight.
+    pub idle_timeout: Duration,
+    /// Most connections open at once.
+    pub max_connections: usize,
+}
+
+/// Serves `router` on `listener` until `shutdown` completes; then stops
+/// accepting, closes idle connections at once, lets requests in flight be
+/// answered, and returns once every connection is closed.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    shutdown: impl Future<Output = ()>,
+) {
+    // A semaphore, not a counter: its permit is given back by the connection
+    // task's end however it ends (closed, timed out, panicked).
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let lingering = Arc::new(Semaphore::new(REFUSALS_LINGERING));
+    let refusal = refusal_response();
+    let stopping = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    let mut last_warning: Option<Instant> = None;
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    accept_failed(e, &mut last_warning).await;
+                    continue;
+                }
+            },
+        };
+        match slots.clone().try_acquire_owned() {
+            Ok(slot) => {
+                tasks.spawn(connection(
+                    stream,
+                    router.clone(),
+                    limits,
+                    stopping.clone(),
+                    Slot::new(slot),
+                ));
+            }
+            Err(_) => refuse(stream, &refusal, &lingering, &tasks),
+        }
+    }
+    drop(listener);
+    stopping.cancel();
+    tasks.close();
+    tasks.wait().await;
+}
+
+/// One connection, until the client closes it, its deadline passes, or the
+/// shutdown closes it.
+async fn connection(
+    stream: TcpStream,
+    router: Router,
+    limits: ConnectionLimits,
+    stopping: CancellationToken,
+    _slot: Slot,
+) {
+    // Answers are written whole in one go; Nagle would only delay the next.
+    let _ = stream.set_nodelay(true);
+    let deadline = Deadline::new(limits.header_read_timeout, limits.idle_timeout);
+    let io = TokioIo::new(Watched::new(stream, deadline.clone()));
+    let service = hyper::service::service_fn({
+        let deadline = deadline.clone();
+        move |request: Request<Incoming>| {
+            let busy = deadline.begin_request();
+            let answer = router.clone().oneshot(request.map(Body::new));
+            async move {
+                let answer = answer.await;
+                drop(busy);
+                answer
+            }
+        }
+    });
+    // hyper's own header timeout is off: see `deadline`.
+    let conn = http1::Builder::new()
+        .header_read_timeout(None)
+        .serve_connection(io, service);
+    tokio::pin!(conn);
+    let mut draining = false;
+    loop {
+        tokio::select! {
+            biased;
+            served = conn.as_mut() => {
+                if let Err(e) = served {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            expiry = deadline.expired() => {
+                tracing::debug!(timeout = expiry.label(), "connection closed by its deadline");
+                metrics::connection_timed_out(expiry.label());
+                return;
+            }
+            () = stopping.cancelled(), if !draining => {
+                draining = true;
+                if !deadline.drain() {
+                    // Idle, or a request not yet received: closed at once.
+                    return;
+                }
+                // Busy: hyper answers, then closes.
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
+}
+
+/// An open connection's place under MAX_CONNECTIONS, counted in the gauge.
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Slot {
+    fn new(permit: OwnedSemaphorePermit) -> Self {
+        metrics::connections_open(1.0);
+        Self { _permit: permit }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        metrics::connections_open(-1.0);
+    }
+}
+
+/// The whole answer to a connection past MAX_CONNECTIONS: 503 with the JSON
+/// error body, and the connection closed.
+fn refusal_response() -> Bytes {
+    let error = ApiError::TooManyConnections;
+    let body = serde_json::json!({ "error": error.to_string() }).to_string();
+    let status = error.status_code();
+    Bytes::from(format!(
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\nretry-after: 1\r\n\r\n{body}",
+        body.len()
+    ))
+}
+
+/// Answers a connection past MAX_CONNECTIONS with 503 and closes it.
+///
+/// The answer is written at once (a new connection's send buffer is empty,
+/// so it fits). Closing right away would reset the connection if the
+/// client's request had arrived unread, and a reset can destroy the answer
+/// before the client reads it; so the connection lingers: its sending side
+/// is shut, and what the client sends is read and dropped until it closes,
+/// for at most REFUSAL_LINGER. At most REFUSALS_LINGERING linger at once;
+/// past that, the connection is closed at once.
+fn refuse(stream: TcpStream, answer: &Bytes, lingering: &Arc<Semaphore>, tasks: &TaskTracker) {
+    metrics::connection_refused();
+    metrics::http_error(503);
+    let _ = stream.try_write(answer);
+    let Ok(permit) = lingering.clone().try_acquire_owned() else {
+        return;
+    };
+    tasks.spawn(async move {
+        let _permit = permit;
+        let mut stream = stream;
+        let _ = tokio::time::timeout(REFUSAL_LINGER, async {
+            let _ = stream.shutdown().await;
+            let mut sink = [0u8; 1024];
+            while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+        })
+        .await;
+    });
+}
+
+/// An accept that failed: a connection that went away before it was
+/// accepted is nothing; a want of resources (file descriptors: see
+/// [`connection_cap`]) is waited out briefly and warned about.
+async fn accept_failed(e: io::Error, last_warning: &mut Option<Instant>) {
+    use io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionRefused | ConnectionReset
+    ) {
+        return;
+    }
+    if last_warning.is_none_or(|at| at.elapsed() >= ACCEPT_WARNING_EVERY) {
+        *last_warning = Some(Instant::now());
+        tracing::warn!(error = %e, "accepting a connection failed; retrying");
+    }
+    tokio::time::sleep(ACCEPT_BACKOFF).await;
+}
+
+/// File descriptors kept for everything but client connections: the
+/// PostgreSQL pool, the Redis connections (one per primary on a cluster),
+/// lingering refusals, logs.
+const FD_RESERVE: u64 = 256;
+
+/// MAX_CONNECTIONS as the process can honour it: the soft file-descriptor
+/// limit is raised (up to the hard one) to fit it, and where it cannot be,
+/// the cap is lowered to fit the limit, with a warning, so that connections
+/// past it are refused rather than left in the listen queue by failing
+/// accepts.
+pub fn connection_cap(max_connections: usize) -> usize {
+    let wanted = max_connections as u64 + FD_RESERVE;
+    let limit = match rlimit::increase_nofile_limit(wanted) {
+        Ok(limit) => limit,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the file-descriptor limit");
+            return max_connections;
+        }
+    };
+    if limit >= wanted {
+        return max_connections;
+    }
+    let cap = limit.saturating_sub(FD_RESERVE).max(1) as usize;
+    tracing::warn!(
+        max_connections,
+        file_descriptor_limit = limit,
+        cap,
+        "the file-descriptor limit is below MAX_CONNECTIONS plus {FD_RESERVE}: connections capped lower"
+    );
+    cap
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_refusal_is_a_whole_503_with_the_json_error() {
+        let raw = refusal_response();
+        let text = std::str::from_utf8(&raw).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
+
+        assert!(
+            head.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+            "{head}"
+        );
+        assert!(head.contains("\r\nconnection: close"), "{head}");
+        assert!(
+            head.contains(&format!("\r\ncontent-length: {}", body.len())),
+            "{head}"
+        );
+        let json: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(json["error"], "too many connections, try again");
+    }
+
+    #[test]
+    fn the_cap_fits_the_file_descriptor_limit() {
+        let (soft, _) = rlimit::Resource::NOFILE.get().unwrap();
+        let huge = (soft as usize).saturating_mul(4);
+        // Unless the hard limit is far above the soft one, the cap comes down.
+        let cap = connection_cap(huge);
+
+        let (limit, _) = rlimit::Resource::NOFILE.get().unwrap();
+        assert!(
+            cap == huge || cap as u64 + FD_RESERVE == limit || cap == 1,
+            "cap {cap} for a limit of {limit}"
+        );
+        assert_eq!(connection_cap(10), 10);
+    }
+}
