@@ -33,6 +33,33 @@ pub enum Command {
     Seed(SeedArgs),
     /// Serve HTTP (applies pending migrations first unless --no-migrate).
     Serve(Box<ServeArgs>),
+    /// Invalidate posts fleet-wide, the same way a change in PostgreSQL does
+    /// (for operators, and for writes made with the triggers off).
+    Invalidate(Box<InvalidateArgs>),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct InvalidateArgs {
+    #[command(flatten)]
+    pub database: DatabaseSettings,
+
+    #[command(flatten)]
+    pub cache: CacheSettings,
+
+    /// The ids of the posts to invalidate.
+    #[arg(value_parser = parse_post_id, required_unless_present = "all", conflicts_with = "all")]
+    pub ids: Vec<i64>,
+
+    /// Invalidate every post: everything read before now is stale (no key
+    /// is scanned).
+    #[arg(long)]
+    pub all: bool,
+}
+
+fn parse_post_id(s: &str) -> Result<i64, String> {
+    crate::http::PostId::parse(s)
+        .map(|id| id.get())
+        .map_err(|e| e.to_string())
 }
 
 #[derive(Debug, Clone, Args)]
@@ -107,11 +134,27 @@ pub struct ServeArgs {
     #[arg(long, env = "IDLE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub idle_timeout: Duration,
 
+    /// `on`: changes to `posts` in PostgreSQL, by any writer, invalidate the
+    /// cache fleet-wide within milliseconds; `off`: the TTLs alone.
+    #[arg(long, env = "CHANGE_FEED", value_enum, default_value_t = ChangeFeed::On)]
+    pub change_feed: ChangeFeed,
+
+    /// How long the change outbox (`post_changes`) keeps a change.
+    #[arg(long, env = "CHANGE_RETENTION", default_value = "1h", value_parser = parse_duration)]
+    pub change_retention: Duration,
+
     /// Most connections open at once; past it, a new connection is answered
     /// 503 and closed. About 20 KiB each: the default bounds them to about
     /// 200 MiB (lowered at start to what the file-descriptor limit allows).
     #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 10_000)]
     pub max_connections: usize,
+}
+
+/// Whether the service follows changes made in PostgreSQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ChangeFeed {
+    On,
+    Off,
 }
 
 /// How a read finds its way from Redis to PostgreSQL (see the load-lab issue).
@@ -232,13 +275,19 @@ fn parse_jitter(s: &str) -> Result<f64, String> {
 /// LOAD_TIMEOUT's margin over DB_STATEMENT_TIMEOUT when it is not set.
 const LOAD_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
 
-impl ServeArgs {
+impl CacheSettings {
     /// LOAD_TIMEOUT, or DB_STATEMENT_TIMEOUT plus a margin: the server's
     /// bound should end a slow query first, the client's a dead connection.
+    pub fn load_timeout(&self, database: &DatabaseSettings) -> Duration {
+        self.load_timeout
+            .unwrap_or(database.db_statement_timeout + LOAD_TIMEOUT_MARGIN)
+    }
+}
+
+impl ServeArgs {
+    /// LOAD_TIMEOUT as resolved (see [`CacheSettings::load_timeout`]).
     pub fn load_timeout(&self) -> Duration {
-        self.cache
-            .load_timeout
-            .unwrap_or(self.database.db_statement_timeout + LOAD_TIMEOUT_MARGIN)
+        self.cache.load_timeout(&self.database)
     }
 
     /// Checks the relations between settings that clap cannot express.
@@ -268,6 +317,10 @@ impl ServeArgs {
             "IDLE_TIMEOUT must be positive"
         );
         anyhow::ensure!(self.max_connections > 0, "MAX_CONNECTIONS must be positive");
+        anyhow::ensure!(
+            !self.change_retention.is_zero(),
+            "CHANGE_RETENTION must be positive"
+        );
         // A leader's lock must outlive its query: the watchdog extends the
         // lock of a live leader only, so a leader that dies mid-query would
         // otherwise let a second leader load while the first query still runs.
@@ -319,7 +372,27 @@ mod tests {
         assert_eq!(s.header_read_timeout, Duration::from_secs(10));
         assert_eq!(s.idle_timeout, Duration::from_secs(60));
         assert_eq!(s.max_connections, 10_000);
+        assert_eq!(s.change_feed, ChangeFeed::On);
+        assert_eq!(s.change_retention, Duration::from_secs(3600));
         s.validate().expect("defaults are consistent");
+    }
+
+    #[test]
+    fn invalidate_takes_ids_or_all_but_not_both() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["postcache", "invalidate"].iter().chain(args)).map(|cli| {
+                let Command::Invalidate(a) = cli.command else {
+                    panic!("invalidate expected")
+                };
+                (a.ids, a.all)
+            })
+        };
+        assert_eq!(parse(&["3", "7"]).unwrap(), (vec![3, 7], false));
+        assert_eq!(parse(&["--all"]).unwrap(), (vec![], true));
+        assert!(parse(&[]).is_err(), "nothing to invalidate");
+        assert!(parse(&["3", "--all"]).is_err());
+        assert!(parse(&["0"]).is_err());
+        assert!(parse(&["x"]).is_err());
     }
 
     #[test]

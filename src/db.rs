@@ -48,19 +48,36 @@ pub async fn migrate(settings: &DatabaseSettings) -> anyhow::Result<()> {
 /// there: the query of a killed leader is cancelled instead of running on.
 const CLIENT_CHECK_INTERVAL: &str = "1000";
 
-/// A lazily connecting pool whose connections carry the statement timeout.
-///
-/// Lazy so that the service starts (and fails open per request, with 503)
-/// while PostgreSQL is down, and recovers without a restart.
-pub async fn connect(settings: &DatabaseSettings) -> anyhow::Result<PgPool> {
+/// Connections of the change feed: one listens, one catches up and prunes.
+const FEED_CONNECTIONS: u32 = 2;
+
+/// The change feed's own pool (not the loads'), named `postcache-feed` in
+/// `pg_stat_activity`, with the same statement timeout.
+pub fn connect_feed(settings: &DatabaseSettings) -> anyhow::Result<PgPool> {
+    let options = connect_options(settings)?.application_name("postcache-feed");
+    Ok(PgPoolOptions::new()
+        .max_connections(FEED_CONNECTIONS)
+        .acquire_timeout(settings.db_acquire_timeout)
+        .connect_lazy_with(options))
+}
+
+fn connect_options(settings: &DatabaseSettings) -> anyhow::Result<PgConnectOptions> {
     let timeout_ms = settings.db_statement_timeout.as_millis().max(1).to_string();
-    let options = PgConnectOptions::from_str(&settings.database_url)
+    Ok(PgConnectOptions::from_str(&settings.database_url)
         .context("invalid DATABASE_URL")?
         .application_name("postcache")
         .options([
             ("statement_timeout", timeout_ms.as_str()),
             ("client_connection_check_interval", CLIENT_CHECK_INTERVAL),
-        ]);
+        ]))
+}
+
+/// A lazily connecting pool whose connections carry the statement timeout.
+///
+/// Lazy so that the service starts (and fails open per request, with 503)
+/// while PostgreSQL is down, and recovers without a restart.
+pub async fn connect(settings: &DatabaseSettings) -> anyhow::Result<PgPool> {
+    let options = connect_options(settings)?;
     Ok(PgPoolOptions::new()
         .max_connections(settings.db_max_connections)
         .acquire_timeout(settings.db_acquire_timeout)

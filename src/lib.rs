@@ -13,11 +13,14 @@
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`flight`] — the read path: in-process flight, lock with token, shared
 //!   subscriber, per strategy. Generic over what it loads.
-//! - [`db`] — the PostgreSQL pool and the embedded migrations.
+//! - [`changes`] — the change feed: PostgreSQL's changes to `posts`, by any
+//!   writer, invalidate the cache fleet-wide (outbox, LISTEN, catch-up).
+//! - [`db`] — the PostgreSQL pools and the embedded migrations.
 //! - [`cli`] — `seed`.
 //! - `testkit` (feature `testkit`) — test support shared by tests and examples.
 
 pub mod cache;
+pub mod changes;
 pub mod cli;
 pub mod config;
 pub mod db;

@@ -16,6 +16,9 @@ async fn main() -> anyhow::Result<()> {
         Command::Seed(args) => {
             postcache::cli::seed::run(&args).await?;
         }
+        Command::Invalidate(args) => {
+            print!("{}", postcache::cli::invalidate::run(&args).await?);
+        }
         Command::Serve(args) => {
             let app = Application::build(*args).await?;
             app.run_until_stopped(shutdown_signal()).await?;

@@ -14,7 +14,8 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::{
     cache::Keys,
-    config::ServeArgs,
+    changes::Feed,
+    config::{CacheSettings, ServeArgs},
     db,
     flight::{self, Nodes, ReadPath, RedisCommands, Subscriber},
     http::{self, AppState, ConnectionLimits, Limits},
@@ -53,6 +54,8 @@ pub struct Application {
     subscriber: SubscriberClient,
     /// On a cluster, the clients of its nodes, stopped at shutdown.
     nodes: Arc<Nodes>,
+    /// The change feed (and the cutoff's follower) while the service runs.
+    feed: Feed,
     /// The Redis connections' upkeep (scripts, cluster topology) while the
     /// service runs.
     _upkeep: Option<AbortOnDropHandle<()>>,
@@ -92,10 +95,19 @@ impl Application {
             Subscriber::start(subscriber.clone(), c.redis_timeout),
             settings,
         );
+        let metrics = telemetry::metrics::install();
+        let feed = Feed::start(
+            args.change_feed,
+            &args.database,
+            args.change_retention,
+            read_path.clone(),
+        )
+        .await?;
         let state = AppState {
             read_path,
             db: pool,
-            metrics: telemetry::metrics::install(),
+            metrics,
+            feed: feed.status(),
         };
         let limits = Limits {
             max_in_flight: args.max_in_flight,
@@ -116,6 +128,7 @@ impl Application {
             redis,
             subscriber,
             nodes,
+            feed,
             _upkeep: upkeep,
         })
     }
@@ -142,6 +155,7 @@ impl Application {
         if !self.state.read_path.drain(DRAIN_LIMIT).await {
             tracing::warn!("flights still running at shutdown; their locks expire by themselves");
         }
+        self.feed.stop().await;
         // QUIT waits for a connection: bounded, so that a shutdown while Redis
         // is down (the clients reconnecting for ever) still ends.
         let quit = async {
@@ -221,11 +235,10 @@ fn cluster_nodes_as_query(url: &str) -> String {
     format!("{scheme}://{credentials}{first}{path}?{}", params.join("&"))
 }
 
-/// The command client, the shared subscriber (both reconnecting for ever),
-/// and where each key's commands go: on a cluster, a client per primary,
-/// made with the same settings as its node appears.
-async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberClient, Nodes)> {
-    let config = redis_config(&args.cache.redis_url)?;
+/// The client builder of REDIS_URL with the service's connection policy:
+/// reconnecting for ever, each command bounded by REDIS_TIMEOUT.
+fn redis_builder(cache: &CacheSettings) -> anyhow::Result<Builder> {
+    let config = redis_config(&cache.redis_url)?;
     let mut builder = Builder::from_config(config);
     builder
         .set_policy({
@@ -235,8 +248,8 @@ async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberCl
             policy
         })
         .with_connection_config(|c| {
-            c.connection_timeout = args.cache.redis_timeout.max(Duration::from_millis(500));
-            c.internal_command_timeout = args.cache.redis_timeout.max(Duration::from_millis(500));
+            c.connection_timeout = cache.redis_timeout.max(Duration::from_millis(500));
+            c.internal_command_timeout = cache.redis_timeout.max(Duration::from_millis(500));
         })
         .with_performance_config(|p| {
             // Each command bounded inside the client too: a command whose
@@ -245,11 +258,33 @@ async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberCl
             // REDIS_TIMEOUT, may fire first, or the request go away, and then
             // the command can still be replayed: a lock attempt left that way
             // is released behind it, see `leader.rs`.)
-            p.default_command_timeout = args.cache.redis_timeout;
+            p.default_command_timeout = cache.redis_timeout;
             // The shared subscriber's fan-out buffer: a stampede over many
             // keys must not lag it (a lag costs every waiter a re-check).
             p.broadcast_channel_capacity = 4096;
         });
+    Ok(builder)
+}
+
+/// The commands of REDIS_URL for a one-shot command (`invalidate`): one
+/// client, connected (a cluster client routes each key by itself).
+pub async fn redis_commands(cache: &CacheSettings) -> anyhow::Result<RedisCommands> {
+    let client = redis_builder(cache)?
+        .build()
+        .context("invalid Redis settings")?;
+    drop(client.connect());
+    tokio::time::timeout(REDIS_STARTUP_WAIT, client.wait_for_connect())
+        .await
+        .context("Redis did not answer")?
+        .context("failed to connect to Redis")?;
+    Ok(RedisCommands::new(client, cache.redis_timeout))
+}
+
+/// The command client, the shared subscriber (both reconnecting for ever),
+/// and where each key's commands go: on a cluster, a client per primary,
+/// made with the same settings as its node appears.
+async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberClient, Nodes)> {
+    let builder = redis_builder(&args.cache)?;
     let client = builder.build().context("invalid Redis settings")?;
     let subscriber = builder
         .build_subscriber_client()

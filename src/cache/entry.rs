@@ -39,6 +39,8 @@ pub const STATUS_FAILED: u8 = 2;
 /// Offset of stored_at and of fresh_until (u64, big endian).
 pub const STORED_AT: usize = 3;
 pub const FRESH_UNTIL_AT: usize = 11;
+/// Offset of the load time (u32 microseconds, big endian).
+pub const LOAD_AT: usize = 19;
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 31;
 /// Flag: a stale copy stored after a failed load, served until it expires
@@ -154,7 +156,7 @@ impl Entry {
             u64::from_be_bytes(b)
         };
         let mut load = [0u8; 4];
-        load.copy_from_slice(&raw[19..23]);
+        load.copy_from_slice(&raw[LOAD_AT..LOAD_AT + 4]);
         Ok(Self {
             status,
             flags: raw[FLAGS_AT],
@@ -188,6 +190,13 @@ impl Entry {
     /// Its logical freshness deadline, unix milliseconds.
     pub fn fresh_until(&self) -> u64 {
         self.fresh_until
+    }
+
+    /// When the load that produced it began reading, unix milliseconds: what
+    /// it shows is no newer than that (stored_at less the load time).
+    pub fn read_at(&self) -> u64 {
+        self.stored_at
+            .saturating_sub(u64::from(self.load_micros).div_ceil(1000))
     }
 
     /// Whether it is still fresh at `now` (unix milliseconds).
@@ -239,6 +248,7 @@ mod tests {
         assert_eq!(&d.body()[..], br#"{"id":1}"#);
         assert_eq!(d.fresh_until() - d.stored_at(), 60_000);
         assert_eq!(d.load_time(), Duration::from_millis(3));
+        assert_eq!(d.read_at(), d.stored_at() - 3);
     }
 
     #[test]

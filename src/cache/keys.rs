@@ -1,7 +1,8 @@
 //! Redis key and channel names.
 //!
-//! The id sits inside a hash tag (`{42}`) so that one item's value, lock and
-//! channel always land in the same Redis Cluster slot.
+//! The id sits inside a hash tag (`{42}`) so that one item's value, lock,
+//! fail-safe copy, fence and channel always land in the same Redis Cluster
+//! slot.
 
 use std::fmt::Display;
 
@@ -11,6 +12,7 @@ pub struct ItemKeys {
     pub value: String,
     pub lock: String,
     pub fail_safe: String,
+    pub fence: String,
     pub channel: String,
 }
 
@@ -36,6 +38,7 @@ impl Keys {
             value: self.value(&id),
             lock: self.lock(&id),
             fail_safe: self.fail_safe(&id),
+            fence: self.fence(&id),
             channel: self.channel(&id),
         }
     }
@@ -55,9 +58,27 @@ impl Keys {
         format!("{}stale:{}:{{{id}}}", self.prefix, self.kind)
     }
 
+    /// `P` + `fence:post:{42}`: the last change applied to the item, for a
+    /// short while: a leader that read the row before it stores nothing.
+    pub fn fence(&self, id: impl Display) -> String {
+        format!("{}fence:{}:{{{id}}}", self.prefix, self.kind)
+    }
+
     /// `P` + `ready:post:{42}`
     pub fn channel(&self, id: impl Display) -> String {
         format!("{}ready:{}:{{{id}}}", self.prefix, self.kind)
+    }
+
+    /// `P` + `post-changes:cutoff`: unix milliseconds before which every
+    /// read is invalid (`invalidate --all`, a truncate).
+    pub fn cutoff(&self) -> String {
+        format!("{}{}-changes:cutoff", self.prefix, self.kind)
+    }
+
+    /// `P` + `post-changes:position`: the outbox snapshot the fleet has
+    /// applied, where a starting instance catches up from.
+    pub fn feed_position(&self) -> String {
+        format!("{}{}-changes:position", self.prefix, self.kind)
     }
 }
 
@@ -72,14 +93,23 @@ mod tests {
         assert_eq!(keys.lock(42), "t1:lock:post:{42}");
         assert_eq!(keys.channel(42), "t1:ready:post:{42}");
         assert_eq!(keys.fail_safe(42), "t1:stale:post:{42}");
+        assert_eq!(keys.fence(42), "t1:fence:post:{42}");
+        assert_eq!(keys.cutoff(), "t1:post-changes:cutoff");
         assert_eq!(Keys::new("", "post").value(7), "post:{7}");
         let item = keys.item(42);
         assert_eq!(
-            (item.value, item.lock, item.fail_safe, item.channel),
+            (
+                item.value,
+                item.lock,
+                item.fail_safe,
+                item.fence,
+                item.channel
+            ),
             (
                 keys.value(42),
                 keys.lock(42),
                 keys.fail_safe(42),
+                keys.fence(42),
                 keys.channel(42)
             )
         );

@@ -1,3 +1,4 @@
 //! Subcommands other than `serve`.
 
+pub mod invalidate;
 pub mod seed;

@@ -32,10 +32,19 @@ pub enum Verdict {
 }
 
 /// The verdict on `entry` (`None`: absent or undecodable) at `now` (unix
-/// milliseconds), with `grace` the stale-while-revalidate window.
-pub fn judge(entry: Option<Entry>, now: u64, grace: Duration) -> Verdict {
+/// milliseconds), with `grace` the stale-while-revalidate window and
+/// `cutoff` the instant (unix milliseconds, 0: none) before which every read
+/// was invalidated (`invalidate --all`, a truncate): an entry read before it
+/// is fresh no longer than the cutoff, and is no backoff copy to serve.
+pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Verdict {
     let Some(entry) = entry else {
         return Verdict::Miss;
+    };
+    let invalidated = entry.read_at() < cutoff;
+    let fresh_until = if invalidated {
+        entry.fresh_until().min(cutoff)
+    } else {
+        entry.fresh_until()
     };
     // Order matters: a failure marker carries no body whatever its flags,
     // and a backoff copy is served whatever its freshness (it is kept only
@@ -43,10 +52,14 @@ pub fn judge(entry: Option<Entry>, now: u64, grace: Duration) -> Verdict {
     if entry.status() == Status::Failed {
         Verdict::Failed
     } else if entry.is_backoff() {
-        Verdict::Backoff(entry)
-    } else if entry.is_fresh(now) {
+        if invalidated {
+            Verdict::Miss
+        } else {
+            Verdict::Backoff(entry)
+        }
+    } else if now < fresh_until {
         Verdict::Fresh(entry)
-    } else if !grace.is_zero() && now < entry.fresh_until().saturating_add(millis(grace)) {
+    } else if !grace.is_zero() && now < fresh_until.saturating_add(millis(grace)) {
         Verdict::StaleInGrace(entry)
     } else {
         Verdict::Miss
@@ -109,8 +122,10 @@ pub struct Lifetimes {
 /// - found: the value for its freshness plus the grace window, and a
 ///   fail-safe copy for freshness plus MAX_STALE (only when that outlives
 ///   the value: otherwise the copy would add nothing);
-/// - not found: the value for its freshness, no copy (a deleted item must
-///   not come back from one);
+/// - not found: the value for its freshness; a copy already kept for the
+///   item (it existed) becomes its tombstone, kept as long as a found copy
+///   (the finish script writes it only over an existing copy), so that a
+///   deleted item is answered 404, never its old body, when loads fail;
 /// - failed: nothing but the backoff, for FAILURE_TTL.
 pub fn store_for(entry: &Entry, l: Lifetimes) -> StoreFor {
     let fresh = Duration::from_millis(entry.fresh_until().saturating_sub(entry.stored_at()));
@@ -126,7 +141,11 @@ pub fn store_for(entry: &Entry, l: Lifetimes) -> StoreFor {
         },
         Status::NotFound => StoreFor {
             value: fresh,
-            fail_safe: Duration::ZERO,
+            fail_safe: if l.max_stale.is_zero() {
+                Duration::ZERO
+            } else {
+                fresh + l.max_stale
+            },
             failure: Duration::ZERO,
         },
         Status::Failed => StoreFor {
@@ -196,6 +215,7 @@ mod tests {
                 Some(entry.clone()),
                 true_now.saturating_add_signed(skew),
                 grace,
+                0,
             )
         };
 
@@ -212,18 +232,18 @@ mod tests {
     #[test]
     fn a_backoff_copy_is_settled_as_stale_and_a_marker_as_a_failure() {
         let entry = Entry::stamped(Status::Found, b"x", 0, 10, Duration::ZERO).as_backoff();
-        let answer = judge(Some(entry), 1_000, Duration::ZERO)
+        let answer = judge(Some(entry), 1_000, Duration::ZERO, 0)
             .settle(Served::CoalescedRemote)
             .expect("settled")
             .expect("an answer");
         assert_eq!(answer.served, Served::Stale);
         let marker = Entry::stamped(Status::Failed, b"", 0, 0, Duration::ZERO);
         assert_eq!(
-            judge(Some(marker), 1, Duration::ZERO).settle(Served::Miss),
+            judge(Some(marker), 1, Duration::ZERO, 0).settle(Served::Miss),
             Some(Err(ReadError::Unavailable))
         );
         assert_eq!(
-            judge(None, 1, Duration::ZERO).settle(Served::Miss),
+            judge(None, 1, Duration::ZERO, 0).settle(Served::Miss),
             None,
             "a miss keeps a waiter waiting"
         );
@@ -283,7 +303,7 @@ mod properties {
         #[test]
         fn the_verdict_follows_status_flag_and_clock(e in entry(), now in 0u64..3_000_000, grace_ms in 0u64..1_000_000) {
             let grace = Duration::from_millis(grace_ms);
-            let verdict = judge(Some(e.clone()), now, grace);
+            let verdict = judge(Some(e.clone()), now, grace, 0);
             let in_grace = grace_ms > 0 && now < e.fresh_until() + grace_ms;
             let expected = match e.status() {
                 Status::Failed => Verdict::Failed,
@@ -295,10 +315,25 @@ mod properties {
             prop_assert_eq!(verdict, expected);
         }
 
+        /// A cutoff ends the freshness of every entry read before it, and
+        /// leaves the others as they were.
+        #[test]
+        fn a_cutoff_ends_what_was_read_before_it(e in entry(), now in 0u64..3_000_000, cutoff in 0u64..2_000_000, grace_ms in 0u64..1_000_000) {
+            let grace = Duration::from_millis(grace_ms);
+            let verdict = judge(Some(e.clone()), now, grace, cutoff);
+            if e.read_at() >= cutoff {
+                prop_assert_eq!(verdict, judge(Some(e.clone()), now, grace, 0));
+            } else {
+                let fresh = matches!(verdict, Verdict::Fresh(_));
+                prop_assert!(!fresh || now < cutoff.min(e.fresh_until()));
+                prop_assert!(!matches!(verdict, Verdict::Backoff(_)));
+            }
+        }
+
         /// A settled answer never carries a failure, and is stale exactly for a backoff copy.
         #[test]
         fn a_settled_answer_holds_no_failure(e in entry(), now in 0u64..3_000_000) {
-            if let Some(Ok(answer)) = judge(Some(e.clone()), now, Duration::ZERO).settle(Served::CoalescedRemote) {
+            if let Some(Ok(answer)) = judge(Some(e.clone()), now, Duration::ZERO, 0).settle(Served::CoalescedRemote) {
                 prop_assert_ne!(answer.entry().status(), Status::Failed);
                 prop_assert_eq!(answer.served == Served::Stale, e.is_backoff());
             }
@@ -318,7 +353,8 @@ mod properties {
                 }
                 Status::NotFound => {
                     prop_assert_eq!(s.value, fresh);
-                    prop_assert!(s.fail_safe.is_zero(), "a not-found entry never has a copy");
+                    // The tombstone lives as long as a found copy would.
+                    prop_assert_eq!(s.fail_safe.is_zero(), l.max_stale.is_zero());
                     prop_assert!(s.failure.is_zero());
                 }
                 Status::Failed => {

@@ -12,6 +12,17 @@ use super::{
     Answer, Outcome, ReadPath, RedisError, Served, Source,
 };
 use crate::cache::{now_millis, Entry, ItemKeys, Status};
+use crate::telemetry::metrics;
+
+/// A finish to retry in the background, with what it was first sent with.
+struct Finish {
+    keys: ItemKeys,
+    token: String,
+    entry: Entry,
+    store: StoreFor,
+    fence: String,
+    cutoff: u64,
+}
 
 /// A lock attempt until Redis answers it (see [`ReadPath::try_lock`]).
 struct Attempt<'a, S: Source> {
@@ -28,6 +39,16 @@ impl<S: Source> Drop for Attempt<'_, S> {
                 .release_in_background(self.lock.to_owned(), self.token.to_owned());
         }
     }
+}
+
+/// How a leader's turn ended.
+pub(super) enum Led {
+    /// With an outcome for its flight.
+    Done(Outcome),
+    /// Fenced: a change to the item was applied while it loaded, so what it
+    /// read (given here) may predate the change. Nothing was stored, and its
+    /// waiters were told to elect a leader again; so should its own flight.
+    Fenced(Entry),
 }
 
 /// A random token naming one leader's hold on a lock: only its holder may
@@ -47,13 +68,17 @@ impl<S: Source> ReadPath<S> {
         keys: &ItemKeys,
         token: &str,
         seen: Option<u64>,
-    ) -> Outcome {
-        // Double-check. The previous leader may have finished between our
-        // first GET and our SET NX (its lock gone, its value in place): do
-        // not load twice.
-        match self.redis.lookup(&keys.value).await {
-            Ok(entry) => {
-                let verdict = judge(entry, now_millis(), Duration::ZERO);
+    ) -> Led {
+        // Double-check, and the change fence. The previous leader may have
+        // finished between our first GET and our SET NX (its lock gone, its
+        // value in place): do not load twice. The fence is read before the
+        // row: a change applied after this point makes our finish store
+        // nothing (see FINISH_LUA).
+        let mut fence = String::new();
+        match self.redis.before_load(keys).await {
+            Ok(before) => {
+                fence = before.fence;
+                let verdict = judge(before.entry, now_millis(), Duration::ZERO, self.cutoff());
                 // A refresh must not settle for the very entry it replaces.
                 let replaced = matches!(&verdict,
                     Verdict::Fresh(e) | Verdict::Backoff(e)
@@ -67,7 +92,7 @@ impl<S: Source> ReadPath<S> {
                     if let Err(error) = self.redis.release(&keys.lock, token).await {
                         tracing::warn!(%error, "failed to release an unused lock; it expires by itself");
                     }
-                    return done;
+                    return Led::Done(done);
                 }
             }
             Err(error) => {
@@ -75,6 +100,10 @@ impl<S: Source> ReadPath<S> {
             }
         }
         let entry = self.load_under_watchdog(key, &keys.lock, token).await;
+        #[cfg(feature = "testkit")]
+        if let Some(hook) = &self.settings.hooks.after_load {
+            hook(keys.value.clone()).await;
+        }
         let s = &self.settings;
         let store = store_for(
             &entry,
@@ -88,7 +117,12 @@ impl<S: Source> ReadPath<S> {
                 },
             },
         );
-        match self.redis.finish(keys, token, &entry, store).await {
+        let cutoff = self.cutoff();
+        match self
+            .redis
+            .finish(keys, token, &entry, store, &fence, cutoff)
+            .await
+        {
             Ok(finished) => {
                 if !finished.released {
                     // Our lock expired during the load and someone else took
@@ -98,18 +132,30 @@ impl<S: Source> ReadPath<S> {
                         "lock expired during the load and was not ours to release"
                     );
                 }
-                if entry.status() == Status::Failed && finished.published.status() == Status::Found
-                {
+                let Some(published) = finished.published else {
+                    metrics::fenced();
+                    tracing::debug!(%key, "a change was applied during the load: fenced");
+                    return Led::Fenced(entry);
+                };
+                if entry.status() == Status::Failed && published.status() == Status::Found {
                     tracing::warn!(%key, "load failed; serving the stored copy");
                 }
-                Answer::new(finished.published, Served::Miss)
+                Led::Done(Answer::new(published, Served::Miss))
             }
             Err(error) => {
                 // This flight is answered at once; the waiters elsewhere are
                 // answered when a retry gets through.
                 tracing::warn!(%error, "finish failed; retrying in the background");
-                self.finish_in_background(keys.clone(), token.to_owned(), entry.clone(), store);
-                Answer::new(entry, Served::Miss)
+                let retry = Finish {
+                    keys: keys.clone(),
+                    token: token.to_owned(),
+                    entry: entry.clone(),
+                    store,
+                    fence,
+                    cutoff,
+                };
+                self.finish_in_background(retry);
+                Led::Done(Answer::new(entry, Served::Miss))
             }
         }
     }
@@ -142,17 +188,17 @@ impl<S: Source> ReadPath<S> {
     /// expired and the waiters have woken to look for themselves. A finish
     /// that timed out may still have run: running it again is harmless (the
     /// fencing lets the same entry be stored and published twice).
-    fn finish_in_background(&self, keys: ItemKeys, token: String, entry: Entry, store: StoreFor) {
+    fn finish_in_background(&self, f: Finish) {
         let redis = self.redis.clone();
         let give_up = Instant::now() + self.settings.lock_ttl;
         self.tasks.spawn(async move {
             // The first attempt has just failed.
             tokio::time::sleep(RETRY_FIRST).await;
-            let finish = || redis.finish(&keys, &token, &entry, store);
+            let finish = || redis.finish(&f.keys, &f.token, &f.entry, f.store, &f.fence, f.cutoff);
             match with_backoff(give_up, finish).await {
-                Ok(_) => tracing::info!(lock = keys.lock, "finished on a retry"),
+                Ok(_) => tracing::info!(lock = f.keys.lock, "finished on a retry"),
                 Err(error) => {
-                    tracing::warn!(%error, lock = keys.lock, "gave up finishing; the lock expires by itself")
+                    tracing::warn!(%error, lock = f.keys.lock, "gave up finishing; the lock expires by itself")
                 }
             }
         });

@@ -24,11 +24,13 @@
 //! Files by role: `freshness.rs` (pure verdicts and the store policy),
 //! `leader.rs`, `waiter.rs`, `refresh.rs`, `local.rs` (in-process flights),
 //! `subscriber/` (the shared subscriber), `redis.rs` (the commands),
-//! `scripts.rs` (the Lua scripts, loaded on every connection), `nodes.rs`
+//! `scripts.rs` (the Lua scripts, loaded on every connection), `apply.rs`
+//! (changes applied to the cache: fences, tombstones, the cutoff), `nodes.rs`
 //! (which client and breaker serve a key: one of each per node on a cluster),
 //! `breaker.rs`, and `strategy.rs`: the load lab's strategies, the one place
 //! that reads CACHE_STRATEGY.
 
+pub mod apply;
 mod breaker;
 mod freshness;
 mod leader;
@@ -48,7 +50,7 @@ use std::{
     future::Future,
     hash::Hash,
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc, Mutex,
     },
     time::{Duration, Instant},
@@ -60,7 +62,7 @@ use tracing::Instrument;
 
 pub use freshness::StoreFor;
 pub use nodes::Nodes;
-pub use redis::{RedisCommands, RedisError};
+pub use redis::{ChangeKind, RedisCommands, RedisError};
 pub use settings::Settings;
 pub use subscriber::Subscriber;
 pub use waiter::Wake;
@@ -174,6 +176,9 @@ pub struct ReadPath<S: Source> {
     /// Reads in progress (every read not yet answered): lets tests and
     /// operators see how many requests a stampede holds.
     reads_in_progress: AtomicUsize,
+    /// The cutoff in force here, unix milliseconds: every entry read before
+    /// it is invalid (`invalidate --all`; see `apply.rs`). Only ever raised.
+    cutoff: AtomicU64,
 }
 
 impl<S: Source> ReadPath<S> {
@@ -195,11 +200,16 @@ impl<S: Source> ReadPath<S> {
             tasks,
             settings,
             reads_in_progress: AtomicUsize::new(0),
+            cutoff: AtomicU64::new(0),
         })
     }
 
     pub fn redis(&self) -> &RedisCommands {
         &self.redis
+    }
+
+    pub fn keys(&self) -> &Keys {
+        &self.keys
     }
 
     pub fn subscriber(&self) -> &Arc<Subscriber> {
@@ -264,7 +274,7 @@ impl<S: Source> ReadPath<S> {
     /// again (for the lock) when there is nothing to serve.
     async fn look_up(&self, key: &S::Key, now: u64, grace: Duration) -> (Verdict, bool) {
         match self.redis.lookup(&self.keys.value(key)).await {
-            Ok(entry) => (judge(entry, now, grace), true),
+            Ok(entry) => (judge(entry, now, grace, self.cutoff()), true),
             // Redis known down: straight to the source (still one load per
             // key in this process, through the flight).
             Err(error @ RedisError::CircuitOpen) => {

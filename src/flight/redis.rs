@@ -20,7 +20,7 @@ use super::{
     breaker::{Breaker, State},
     freshness::StoreFor,
     nodes::{self, Nodes},
-    scripts::Scripts,
+    scripts::{Scripts, RETRY},
 };
 use crate::{
     cache::{now_millis, Entry, ItemKeys},
@@ -82,8 +82,40 @@ pub enum LockTtl {
 pub struct Finished {
     /// Whether the lock still held our token (and was deleted).
     pub released: bool,
-    /// What was published: the entry, or on failure the backoff copy.
-    pub published: Entry,
+    /// What was published: the entry, or on failure the backoff copy;
+    /// `None` when fenced (a change was applied since the leader's read:
+    /// nothing stored, [`RETRY`](super::scripts::RETRY) published).
+    pub published: Option<Entry>,
+}
+
+/// What the leader sees before it reads: the stored entry, and the item's
+/// change fence (empty when none), which its finish must find unchanged.
+#[derive(Debug)]
+pub struct Before {
+    pub entry: Option<Entry>,
+    pub fence: String,
+}
+
+/// How a change is applied to an item's keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChangeKind {
+    /// The item is gone: tombstones in place of what is kept.
+    Deleted,
+    /// Anything else: what is stored is no longer to be trusted.
+    Changed,
+}
+
+/// The lifetimes the application of a change writes with.
+#[derive(Debug, Clone, Copy)]
+pub struct ApplyFor {
+    /// How long the fence outlives the change.
+    pub fence: Duration,
+    /// The tombstone as the value (NEGATIVE_TTL), and as the fail-safe copy
+    /// (0: none).
+    pub tombstone: Duration,
+    pub tombstone_copy: Duration,
+    /// The stale-while-revalidate window (0: off).
+    pub grace: Duration,
 }
 
 /// The command clients plus the bound applied to each command.
@@ -279,14 +311,20 @@ impl RedisCommands {
         let raw: Option<Bytes> = self
             .bounded(key, |c| async move { c.get(key).await })
             .await?;
-        Ok(raw.and_then(|raw| match Entry::decode(raw) {
-            Ok(entry) => Some(entry),
-            Err(error) => {
-                metrics::garbage("entry");
-                tracing::warn!(%error, key, "undecodable cache entry, treated as a miss");
-                None
-            }
-        }))
+        Ok(decoded(key, raw))
+    }
+
+    /// The leader's look before its read: the value and the item's fence,
+    /// in one MGET (they share a slot).
+    pub async fn before_load(&self, keys: &ItemKeys) -> Result<Before, RedisError> {
+        let (value, fence) = (keys.value.as_str(), keys.fence.as_str());
+        let (raw, seen): (Option<Bytes>, Option<String>) = self
+            .bounded(value, |c| async move { c.mget(vec![value, fence]).await })
+            .await?;
+        Ok(Before {
+            entry: decoded(value, raw),
+            fence: seen.unwrap_or_default(),
+        })
     }
 
     /// SET a value with a TTL (the strategies without a lock).
@@ -330,13 +368,16 @@ impl RedisCommands {
         })
     }
 
-    /// The leader's finish (see `finish.lua` and `scripts.rs`).
+    /// The leader's finish (see `finish.lua` and `scripts.rs`): `fence` is
+    /// what it saw before its read, `cutoff` the one in force.
     pub async fn finish(
         &self,
         keys: &ItemKeys,
         token: &str,
         entry: &Entry,
         store: StoreFor,
+        fence: &str,
+        cutoff: u64,
     ) -> Result<Finished, RedisError> {
         let args: Vec<Value> = vec![
             Value::Bytes(entry.raw().clone()),
@@ -347,9 +388,12 @@ impl RedisCommands {
             Value::Integer(ms(store.failure)),
             Value::from(if self.sharded { "SPUBLISH" } else { "PUBLISH" }),
             Value::Integer(now_millis() as i64),
+            Value::from(fence),
+            Value::Integer(cutoff as i64),
+            Value::Bytes(Bytes::from_static(RETRY)),
         ];
-        let script_keys = [&keys.value, &keys.lock, &keys.fail_safe];
-        let (released, payload): (i64, Bytes) = self
+        let script_keys = [&keys.value, &keys.lock, &keys.fail_safe, &keys.fence];
+        let (released, payload, fenced): (i64, Bytes, i64) = self
             .unrefused(&keys.value, |c| {
                 let (script_keys, args) = (script_keys.map(String::as_str).to_vec(), args.clone());
                 async move {
@@ -358,11 +402,83 @@ impl RedisCommands {
                 }
             })
             .await?;
-        let published = Entry::decode(payload).unwrap_or_else(|_| entry.clone());
+        let published =
+            (fenced == 0).then(|| Entry::decode(payload).unwrap_or_else(|_| entry.clone()));
         Ok(Finished {
             released: released == 1,
             published,
         })
+    }
+
+    /// Applies change `change` to an item's keys (see `apply.lua`); whether
+    /// it did anything (false: applied already). `tombstone` is the
+    /// not-found entry a delete leaves.
+    pub async fn apply(
+        &self,
+        keys: &ItemKeys,
+        change: i64,
+        kind: ChangeKind,
+        tombstone: &Entry,
+        lifetimes: ApplyFor,
+    ) -> Result<bool, RedisError> {
+        let args: Vec<Value> = vec![
+            Value::Integer(change),
+            Value::from(match kind {
+                ChangeKind::Deleted => "delete",
+                ChangeKind::Changed => "change",
+            }),
+            Value::Integer(ms(lifetimes.fence).max(1)),
+            Value::Bytes(tombstone.raw().clone()),
+            Value::Integer(ms(lifetimes.tombstone).max(1)),
+            Value::Integer(ms(lifetimes.tombstone_copy)),
+            Value::Integer(ms(lifetimes.grace)),
+            Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
+        ];
+        let script_keys = [&keys.value, &keys.lock, &keys.fail_safe, &keys.fence];
+        let applied: i64 = self
+            .bounded(&keys.value, |c| {
+                let (script_keys, args) = (script_keys.map(String::as_str).to_vec(), args.clone());
+                async move {
+                    let apply = &self.scripts.apply;
+                    apply.evalsha_with_reload(&c, script_keys, args).await
+                }
+            })
+            .await?;
+        Ok(applied == 1)
+    }
+
+    /// The cutoff stored at `key` (unix ms; 0 when none).
+    pub async fn cutoff(&self, key: &str) -> Result<u64, RedisError> {
+        let raw: Option<String> = self
+            .bounded(key, |c| async move { c.get(key).await })
+            .await?;
+        Ok(raw.and_then(|r| r.parse().ok()).unwrap_or(0))
+    }
+
+    /// Raises the cutoff at `key` to `to` (never lowers it); the one in force.
+    pub async fn raise_cutoff(&self, key: &str, to: u64) -> Result<u64, RedisError> {
+        let now_in_force: i64 = self
+            .bounded(key, |c| async move {
+                let raise = &self.scripts.raise_cutoff;
+                raise
+                    .evalsha_with_reload(&c, vec![key], vec![Value::Integer(to as i64)])
+                    .await
+            })
+            .await?;
+        Ok(now_in_force.max(0) as u64)
+    }
+
+    /// GET of a plain string key.
+    pub async fn get_string(&self, key: &str) -> Result<Option<String>, RedisError> {
+        self.bounded(key, |c| async move { c.get(key).await }).await
+    }
+
+    /// SET of a plain string key, without expiry.
+    pub async fn set_string(&self, key: &str, value: &str) -> Result<(), RedisError> {
+        self.bounded(key, |c| async move {
+            c.set(key, value, None, None, false).await
+        })
+        .await
     }
 
     /// Releases a lock if it still holds `token`.
@@ -403,6 +519,18 @@ impl RedisCommands {
             Err(_) => Err(RedisError::Timeout(self.timeout)),
         }
     }
+}
+
+/// An entry read from `key`; bytes that are not one count as absent.
+fn decoded(key: &str, raw: Option<Bytes>) -> Option<Entry> {
+    raw.and_then(|raw| match Entry::decode(raw) {
+        Ok(entry) => Some(entry),
+        Err(error) => {
+            metrics::garbage("entry");
+            tracing::warn!(%error, key, "undecodable cache entry, treated as a miss");
+            None
+        }
+    })
 }
 
 /// Runs `fut` if the breaker allows, bounded by `timeout`, and tells the

@@ -15,7 +15,11 @@ use std::{
 use rand::Rng;
 use tracing::Instrument;
 
-use super::{freshness::xfetch_fires, leader::lock_token, ReadPath, Source};
+use super::{
+    freshness::xfetch_fires,
+    leader::{lock_token, Led},
+    ReadPath, Source,
+};
 use crate::{
     cache::{Entry, Status},
     telemetry::metrics,
@@ -83,8 +87,10 @@ impl<S: Source> ReadPath<S> {
                 match this.try_lock(&keys, &token).await {
                     Ok(true) => {
                         let result = match this.lead(&key, &keys, &token, seen).await {
-                            Err(_) => "failed",
-                            Ok(_) => "refreshed",
+                            Led::Done(Err(_)) => "failed",
+                            Led::Done(Ok(_)) => "refreshed",
+                            // The next reader starts another refresh.
+                            Led::Fenced(_) => "fenced",
                         };
                         metrics::refresh(result);
                     }

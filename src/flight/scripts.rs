@@ -19,55 +19,101 @@ use tokio::sync::broadcast;
 use super::redis::{with_backoff, RedisError};
 use crate::cache::entry;
 
-/// The leader's finish, in one round trip, fenced by the lock.
+/// The leader's finish, in one round trip, fenced by the lock and by the
+/// change fence.
 ///
-/// Fencing: the finish writes only while the lock still holds this leader's
-/// token, or when the lock is gone and nothing newer is stored. A leader
-/// whose lock expired or was lost and taken over must not store its older
-/// row (or its failure) over the new leader's value: it publishes what is
-/// stored instead (or nothing, when nothing is).
+/// Change fence: a change applied to the item after the leader looked at
+/// its fence (before its read) means the row it read may be older than the
+/// change. Such a finish stores nothing and publishes [`RETRY`]: its
+/// waiters, and the leader's own flight, elect a leader again, who reads
+/// the new row (a stale set, in the words of Facebook's memcache paper,
+/// never lands).
+///
+/// Lock fencing: the finish writes only while the lock still holds this
+/// leader's token, or when the lock is gone and nothing newer is stored. A
+/// leader whose lock expired or was lost and taken over must not store its
+/// older row (or its failure) over the new leader's value: it publishes what
+/// is stored instead (or nothing, when nothing is).
 ///
 /// On success: store the entry (unless its TTL is 0) and, for a found entry,
-/// its fail-safe copy; a not-found entry deletes the fail-safe copy, so that
-/// a deleted item never comes back from it. On failure: an entry still
-/// fresh is left as it is (a failed refresh never degrades it); otherwise
-/// store as the backoff, for FAILURE_TTL, the last good copy (the value if it
-/// is a found entry, else the fail-safe copy, unless a not-found is stored)
-/// with its BACKOFF flag set, or else the failure marker. Then publish what
-/// is stored on the ready channel, and release the lock if it is ours.
+/// its fail-safe copy; a not-found entry turns an existing fail-safe copy
+/// into the item's tombstone (or deletes it, MAX_STALE off), so that a
+/// deleted item never comes back from it. On failure: an entry still fresh
+/// is left as it is (a failed refresh never degrades it); otherwise store as
+/// the backoff, for FAILURE_TTL, the last good copy (the value if it is a
+/// found entry, else the fail-safe copy, found or tombstone; never one read
+/// before the cutoff) with its BACKOFF flag set, or else the failure marker.
+/// Then publish what is stored on the ready channel, and release the lock if
+/// it is ours.
 ///
 /// Which TTLs is decided in Rust (`freshness::store_for`); which copy, here,
 /// because only Redis knows what is stored at the moment of the finish.
 ///
-/// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy.
+/// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy, KEYS[4] fence.
 /// ARGV[1] entry, ARGV[2] value TTL ms (0: do not store), ARGV[3] token,
 /// ARGV[4] channel, ARGV[5] fail-safe copy TTL ms (0: none), ARGV[6] FAILURE_TTL ms,
 /// ARGV[7] the publish command: PUBLISH, or SPUBLISH on a Redis Cluster (the
 /// channel shares the keys' hash tag, so it lives on the same shard),
-/// ARGV[8] now, unix ms.
-/// Returns {released, payload}: what was published, or the entry itself.
+/// ARGV[8] now, unix ms, ARGV[9] the fence the leader saw ("" for none),
+/// ARGV[10] the cutoff, unix ms (0: none), ARGV[11] [`RETRY`].
+/// Returns {released, payload, fenced}: what was published, or the entry itself.
 ///
 /// The `$…` placeholders are the envelope's layout, filled in from the
-/// constants of `cache/entry.rs` by [`finish_lua`] (Lua strings count from 1).
+/// constants of `cache/entry.rs` by [`with_layout`] (Lua strings count from 1).
 const FINISH_LUA: &str = include_str!("finish.lua");
 
-/// [`FINISH_LUA`] with the envelope's layout filled in.
-fn finish_lua() -> String {
+/// A change applied to an item's keys, in one round trip; idempotent (a
+/// change at or below the fence is skipped: applied already, by this
+/// instance or another).
+///
+/// Sets the fence to the change (for FENCE_TTL, while there is a value or a
+/// leader to fence). A delete puts a tombstone (a not-found entry) in place
+/// of the value and of the fail-safe copy, where they exist. Any other
+/// change deletes the value, or with stale-while-revalidate marks a found
+/// one stale (fresh until now, kept no longer than the grace window), and
+/// deletes a tombstone copy (the item exists again).
+///
+/// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy, KEYS[4] fence.
+/// ARGV[1] change id, ARGV[2] `delete` or `change`, ARGV[3] fence TTL ms,
+/// ARGV[4] the tombstone, ARGV[5] its TTL ms as the value, ARGV[6] as the
+/// fail-safe copy (0: none), ARGV[7] the grace window ms (0: off),
+/// ARGV[8] now, unix ms, as 8 big-endian bytes.
+/// Returns 1 when applied, 0 when skipped.
+const APPLY_LUA: &str = include_str!("apply.lua");
+
+/// The message that tells waiters to elect a leader again (a fenced
+/// finish): too short to be an entry, so never taken for one.
+pub const RETRY: &[u8] = b"retry";
+
+/// A Lua script with the envelope's layout filled in.
+fn with_layout(lua: &str) -> String {
     // Lua's string.byte counts from 1.
     let at = |offset: usize| (offset + 1).to_string();
-    FINISH_LUA
-        .replace("$VERSION_AT", &at(0))
+    lua.replace("$VERSION_AT", &at(0))
         .replace("$VERSION", &entry::VERSION.to_string())
         .replace("$HEADER", &entry::HEADER_LEN.to_string())
         .replace("$STATUS", &at(entry::STATUS_AT))
         .replace("$FLAGS", &at(entry::FLAGS_AT))
         .replace("$STORED_AT", &at(entry::STORED_AT))
         .replace("$FRESH_UNTIL", &at(entry::FRESH_UNTIL_AT))
+        .replace("$LOAD_AT", &at(entry::LOAD_AT))
         .replace("$FOUND", &entry::STATUS_FOUND.to_string())
         .replace("$NOT_FOUND", &entry::STATUS_NOT_FOUND.to_string())
         .replace("$FAILED", &entry::STATUS_FAILED.to_string())
         .replace("$BACKOFF", &entry::FLAG_BACKOFF.to_string())
 }
+
+/// Raises the cutoff to ARGV[1] (unix ms) unless it is higher already.
+/// KEYS[1] the cutoff key. Returns the cutoff now in force.
+const RAISE_CUTOFF_LUA: &str = r#"
+local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+local wanted = tonumber(ARGV[1])
+if wanted > current then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return wanted
+end
+return current
+"#;
 
 /// Releases a lock only if it still holds the given token.
 /// KEYS[1] lock; ARGV[1] token. Returns 1 when released.
@@ -98,19 +144,29 @@ pub(super) struct Scripts {
     pub finish: Script,
     pub release: Script,
     pub extend: Script,
+    pub apply: Script,
+    pub raise_cutoff: Script,
 }
 
 impl Scripts {
     pub fn new() -> Self {
         Self {
-            finish: Script::from_lua(finish_lua()),
+            finish: Script::from_lua(with_layout(FINISH_LUA)),
             release: Script::from_lua(RELEASE_LUA),
             extend: Script::from_lua(EXTEND_LUA),
+            apply: Script::from_lua(with_layout(APPLY_LUA)),
+            raise_cutoff: Script::from_lua(RAISE_CUTOFF_LUA),
         }
     }
 
-    fn all(&self) -> [&Script; 3] {
-        [&self.finish, &self.release, &self.extend]
+    fn all(&self) -> [&Script; 5] {
+        [
+            &self.finish,
+            &self.release,
+            &self.extend,
+            &self.apply,
+            &self.raise_cutoff,
+        ]
     }
 
     /// SCRIPT LOAD of every script on `server`: the node that just
@@ -191,11 +247,13 @@ pub(super) async fn keep_loaded(
 mod tests {
     use super::*;
 
-    /// Every placeholder of the finish script is filled from `cache/entry.rs`.
+    /// Every placeholder of the scripts is filled from `cache/entry.rs`.
     #[test]
-    fn the_finish_script_reads_the_envelope_layout_from_its_constants() {
-        let lua = finish_lua();
-        assert!(!lua.contains('$'), "{lua}");
+    fn the_scripts_read_the_envelope_layout_from_its_constants() {
+        for lua in [with_layout(FINISH_LUA), with_layout(APPLY_LUA)] {
+            assert!(!lua.contains('$'), "{lua}");
+        }
+        let lua = with_layout(FINISH_LUA);
         let status_byte = format!("string.byte(s, {})", entry::STATUS_AT + 1);
         assert!(lua.contains(&status_byte), "{lua}");
         assert!(lua.contains(&format!("== {}", entry::VERSION)));

@@ -7,7 +7,7 @@ use super::Hooks;
 use super::{strategy, Wake};
 use crate::{
     cache::Jitter,
-    config::{ServeArgs, Strategy},
+    config::{CacheSettings, ServeArgs, Strategy},
 };
 
 /// The lifetimes and bounds the read path works with.
@@ -46,9 +46,26 @@ pub struct Settings {
     pub hooks: Hooks,
 }
 
+impl Settings {
+    /// How long a change's fence outlives it: longer than any leader that
+    /// may have read the row before the change can take to finish (its
+    /// load, bounded by LOAD_TIMEOUT, then finish retries for LOCK_TTL),
+    /// twice over.
+    pub fn fence_ttl(&self) -> Duration {
+        2 * (self.lock_ttl + self.load_timeout)
+    }
+}
+
 impl From<&ServeArgs> for Settings {
     fn from(args: &ServeArgs) -> Self {
-        let c = &args.cache;
+        Self::new(&args.cache, args.load_timeout())
+    }
+}
+
+impl Settings {
+    /// The read path's settings from the cache settings, with LOAD_TIMEOUT
+    /// as resolved (it depends on the database's settings).
+    pub fn new(c: &CacheSettings, load_timeout: Duration) -> Self {
         Self {
             strategy: c.cache_strategy,
             wake: strategy::wake(c.cache_strategy, c.poll_interval),
@@ -57,7 +74,7 @@ impl From<&ServeArgs> for Settings {
             jitter: Jitter::new(c.ttl_jitter),
             lock_ttl: c.lock_ttl,
             wait_timeout: c.wait_timeout,
-            load_timeout: args.load_timeout(),
+            load_timeout,
             redis_timeout: c.redis_timeout,
             stale_while_revalidate: c.stale_while_revalidate,
             early_refresh_beta: c.early_refresh_beta,

@@ -26,10 +26,11 @@ use std::time::{Duration, Instant};
 
 use super::{
     freshness::judge,
-    leader::lock_token,
+    leader::{lock_token, Led},
     redis::LockTtl,
+    scripts::RETRY,
     subscriber::{Notice, Subscription},
-    Outcome, ReadError, ReadPath, Served, Source,
+    Answer, Outcome, ReadError, ReadPath, Served, Source,
 };
 use crate::{
     cache::{now_millis, Entry, ItemKeys},
@@ -57,10 +58,16 @@ enum Listener {
 enum Woken {
     /// The leader's outcome, published on the channel.
     Message(Entry),
-    /// Anything else: look again (the lock expired or was released, a
-    /// message may have been lost, an interval passed, the deadline came).
+    /// Anything else: look again (the lock expired or was released, the
+    /// leader was fenced by a change, a message may have been lost, an
+    /// interval passed, the deadline came).
     LookAgain,
 }
+
+/// How many times in a row a flight's own leader may be fenced by changes
+/// before it answers with what it read last (not storing it): a post
+/// changed faster than it can be read would otherwise never be answered.
+const FENCED_ROUNDS: u32 = 3;
 
 /// A wait in progress, from the first lost election to its end.
 struct Waiting {
@@ -74,7 +81,8 @@ impl<S: Source> ReadPath<S> {
     pub(super) async fn coordinate(&self, key: &S::Key) -> Outcome {
         let deadline = Instant::now() + self.settings.wait_timeout;
         let keys = self.keys.item(key);
-        let token = lock_token();
+        let mut token = lock_token();
+        let mut fenced = 0;
         // None until an election is lost: winning the first one is a plain
         // miss, not the end of a wait.
         let mut waiting: Option<Waiting> = None;
@@ -90,11 +98,23 @@ impl<S: Source> ReadPath<S> {
             }
             match tokio::time::timeout_at(hard, self.try_lock(&keys, &token)).await {
                 Ok(Ok(true)) => {
-                    if let Some(w) = &waiting {
-                        self.wait_ended(w, "takeover");
+                    if let Some(w) = waiting.take() {
+                        self.wait_ended(&w, "takeover");
                     }
                     tracing::Span::current().record("role", "leader");
-                    return self.lead(key, &keys, &token, None).await;
+                    match self.lead(key, &keys, &token, None).await {
+                        Led::Done(outcome) => return outcome,
+                        // What we read may predate a change: elect again,
+                        // like our waiters, and read the row anew.
+                        Led::Fenced(entry) => {
+                            fenced += 1;
+                            if fenced >= FENCED_ROUNDS || Instant::now() >= deadline {
+                                return Answer::new(entry, Served::Miss);
+                            }
+                            token = lock_token();
+                            continue;
+                        }
+                    }
                 }
                 Ok(Ok(false)) => {}
                 Ok(Err(error)) => return self.fail_open(key, error).await,
@@ -112,7 +132,7 @@ impl<S: Source> ReadPath<S> {
             // before our subscription existed, or since our last look.
             match tokio::time::timeout_at(hard, self.redis.lookup(&keys.value)).await {
                 Ok(Ok(entry)) => {
-                    let verdict = judge(entry, now_millis(), Duration::ZERO);
+                    let verdict = judge(entry, now_millis(), Duration::ZERO, self.cutoff());
                     if let Some(outcome) = verdict.settle(Served::CoalescedRemote) {
                         self.wait_ended(w, ended_by(&outcome, "recheck"));
                         return outcome;
@@ -127,7 +147,7 @@ impl<S: Source> ReadPath<S> {
             let woken = self.sleep(&mut w.listener, &keys, deadline);
             match tokio::time::timeout_at(hard, woken).await {
                 Ok(Ok(Woken::Message(entry))) => {
-                    let verdict = judge(Some(entry), now_millis(), Duration::ZERO);
+                    let verdict = judge(Some(entry), now_millis(), Duration::ZERO, self.cutoff());
                     if let Some(outcome) = verdict.settle(Served::CoalescedRemote) {
                         self.wait_ended(w, ended_by(&outcome, "message"));
                         return outcome;
@@ -191,6 +211,8 @@ impl<S: Source> ReadPath<S> {
         let wake_at = (Instant::now() + lock_left).min(deadline);
         let notice = tokio::time::timeout_at(wake_at.into(), subscription.recv()).await;
         Ok(match notice {
+            // The leader was fenced: elect again.
+            Ok(Notice::Message(payload)) if payload.as_ref() == RETRY => Woken::LookAgain,
             Ok(Notice::Message(payload)) => match Entry::decode(payload) {
                 Ok(entry) => Woken::Message(entry),
                 Err(error) => {
@@ -233,6 +255,8 @@ pub struct Hooks {
     pub before_recheck: Option<Hook>,
     /// Called the moment a wait ends, with what ended it.
     pub wait_ended: Option<std::sync::Arc<dyn Fn(&'static str) + Send + Sync>>,
+    /// Runs after a leader's load, before its finish.
+    pub after_load: Option<Hook>,
 }
 
 /// An async callback run at a point of the protocol, given the value key.
@@ -247,6 +271,7 @@ impl std::fmt::Debug for Hooks {
         f.debug_struct("Hooks")
             .field("before_recheck", &self.before_recheck.is_some())
             .field("wait_ended", &self.wait_ended.is_some())
+            .field("after_load", &self.after_load.is_some())
             .finish()
     }
 }

@@ -137,7 +137,9 @@ pub async fn healthz() -> Json<serde_json::Value> {
 }
 
 /// `GET /readyz`: PostgreSQL and Redis both answer (`"redis": "circuit_open"`
-/// while the breaker still bypasses a Redis that answers again).
+/// while the breaker still bypasses a Redis that answers again). The change
+/// feed is reported (`up`, `down`, `off`) but does not decide: an instance
+/// whose feed is down still serves, with freshness from the TTLs.
 pub async fn readyz(State(state): State<AppState>) -> Response {
     let postgres = tokio::time::timeout(
         READINESS_TIMEOUT,
@@ -165,6 +167,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
             } else {
                 word(redis_up)
             },
+            "change_feed": state.feed.get().as_str(),
         })),
     )
         .into_response()

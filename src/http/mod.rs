@@ -20,7 +20,7 @@ pub use error::ApiError;
 pub use id::{InvalidId, PostId};
 pub use server::{connection_cap, serve, ConnectionLimits};
 
-use crate::{flight::ReadPath, posts::PostStore, telemetry::metrics};
+use crate::{changes::FeedStatus, flight::ReadPath, posts::PostStore, telemetry::metrics};
 
 /// What every handler can reach.
 #[derive(Clone)]
@@ -28,6 +28,8 @@ pub struct AppState {
     pub read_path: Arc<ReadPath<PostStore>>,
     pub db: sqlx::PgPool,
     pub metrics: PrometheusHandle,
+    /// Whether the change feed is up (for `/readyz`).
+    pub feed: FeedStatus,
 }
 
 /// Bounds applied to every request.

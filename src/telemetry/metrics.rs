@@ -43,6 +43,19 @@ pub const GARBAGE: &str = "postcache_garbage_total";
 /// Background refreshes by result: refreshed, lost (another holds the lock), failed.
 pub const REFRESHES: &str = "postcache_refreshes_total";
 
+/// Leader finishes that stored nothing: a change was applied during the load.
+pub const FENCED: &str = "postcache_fenced_total";
+/// Whether the change feed is connected and caught up (1) or not (0).
+pub const FEED_UP: &str = "postcache_change_feed_up";
+/// Changes applied by this process, by op: insert, update, delete, truncate,
+/// invalidate, invalidate_all (skipped ones, applied already by another
+/// instance, included).
+pub const CHANGES_APPLIED: &str = "postcache_changes_applied_total";
+/// From a change's write in PostgreSQL (its clock) to its application here.
+pub const CHANGE_LAG: &str = "postcache_change_lag_seconds";
+/// Times the change feed lost its connection and caught up from the outbox.
+pub const FEED_RECONNECTS: &str = "postcache_change_feed_reconnects_total";
+
 /// Client connections open.
 pub const CONNECTIONS_OPEN: &str = "postcache_connections_open";
 /// Connections refused (answered 503 and closed) past MAX_CONNECTIONS.
@@ -70,6 +83,11 @@ pub const ALL: &[&str] = &[
     CONNECTIONS_OPEN,
     CONNECTIONS_REFUSED,
     CONNECTIONS_TIMED_OUT,
+    FENCED,
+    FEED_UP,
+    CHANGES_APPLIED,
+    CHANGE_LAG,
+    FEED_RECONNECTS,
 ];
 
 /// Buckets for request, load and wait durations: 0.5 ms to 10 s.
@@ -134,6 +152,24 @@ fn describe() {
     describe_counter!(REFRESHES, "Background refreshes by result.");
     describe_gauge!(CONNECTIONS_OPEN, "Client connections open.");
     describe_counter!(
+        FENCED,
+        "Leader finishes that stored nothing: a change was applied during the load."
+    );
+    describe_gauge!(
+        FEED_UP,
+        "Whether the change feed is connected and caught up (1) or not (0)."
+    );
+    describe_counter!(CHANGES_APPLIED, "Changes applied by this process, by op.");
+    describe_histogram!(
+        CHANGE_LAG,
+        Unit::Seconds,
+        "From a change's write in PostgreSQL to its application here."
+    );
+    describe_counter!(
+        FEED_RECONNECTS,
+        "Times the change feed lost its connection and caught up from the outbox."
+    );
+    describe_counter!(
         CONNECTIONS_REFUSED,
         "Connections answered 503 and closed past MAX_CONNECTIONS."
     );
@@ -193,6 +229,23 @@ pub fn garbage(kind: &'static str) {
 
 pub fn refresh(result: &'static str) {
     counter!(REFRESHES, "result" => result).increment(1);
+}
+
+pub fn fenced() {
+    counter!(FENCED).increment(1);
+}
+
+pub fn feed_up(up: bool) {
+    gauge!(FEED_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+pub fn change_applied(op: &'static str, lag: Duration) {
+    counter!(CHANGES_APPLIED, "op" => op).increment(1);
+    histogram!(CHANGE_LAG).record(lag.as_secs_f64());
+}
+
+pub fn feed_reconnected() {
+    counter!(FEED_RECONNECTS).increment(1);
 }
 
 pub fn connections_open(delta: f64) {

@@ -14,7 +14,7 @@ use super::{
 use crate::{
     cache::{Entry, Keys},
     cli::seed::generate,
-    config::{Cli, Command, DatabaseSettings, ServeArgs},
+    config::{Cli, Command, DatabaseSettings, InvalidateArgs, ServeArgs},
     flight::Hooks,
     posts::PostStore,
     startup::{redis_config, Application},
@@ -97,17 +97,30 @@ impl TestEnv {
         }
     }
 
-    /// The settings of an instance of this world, with `extra` flags. A flag
-    /// of `extra` replaces the same flag of the base settings and any earlier
-    /// one of `extra` (`--flag value`, `--flag=value` or a boolean `--flag`).
-    pub fn serve_args(&self, extra: &[&str]) -> ServeArgs {
-        let base = [
+    /// The flags naming this world's database, Redis and key prefix.
+    fn world_flags(&self) -> [&str; 6] {
+        [
             "--database-url",
             &self.db_url,
             "--redis-url",
             &self.redis_url,
             "--key-prefix",
             &self.prefix,
+        ]
+    }
+
+    /// The settings of an instance of this world, with `extra` flags. A flag
+    /// of `extra` replaces the same flag of the base settings and any earlier
+    /// one of `extra` (`--flag value`, `--flag=value` or a boolean `--flag`).
+    pub fn serve_args(&self, extra: &[&str]) -> ServeArgs {
+        let [d, db, r, redis, k, prefix] = self.world_flags();
+        let base = [
+            d,
+            db,
+            r,
+            redis,
+            k,
+            prefix,
             "--listen-addr",
             "127.0.0.1:0",
             "--no-migrate",
@@ -137,6 +150,17 @@ impl TestEnv {
         {
             Command::Serve(args) => *args,
             _ => unreachable!("serve was asked for"),
+        }
+    }
+
+    /// The arguments of `postcache invalidate` on this world, with `args`.
+    pub fn invalidate_args(&self, args: &[&str]) -> InvalidateArgs {
+        let argv = ["postcache", "invalidate"].into_iter();
+        let argv = argv.chain(self.world_flags()).chain(args.iter().copied());
+        let cli = Cli::try_parse_from(argv).expect("valid arguments");
+        match cli.command {
+            Command::Invalidate(args) => *args,
+            _ => unreachable!("invalidate was asked for"),
         }
     }
 

@@ -108,7 +108,7 @@ async fn a_redis_that_comes_back_empty_is_given_the_scripts_before_any_request_n
     wait_until(
         "the scripts to be loaded at start",
         Duration::from_secs(5),
-        async || scripts(&redis) == Some(3),
+        async || scripts(&redis) == Some(5),
     )
     .await;
 
@@ -118,7 +118,7 @@ async fn a_redis_that_comes_back_empty_is_given_the_scripts_before_any_request_n
     wait_until(
         "the scripts to be loaded again",
         Duration::from_secs(2),
-        async || scripts(&redis) == Some(3),
+        async || scripts(&redis) == Some(5),
     )
     .await;
 

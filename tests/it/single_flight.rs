@@ -43,7 +43,6 @@ async fn a_value_written_from_outside_without_publish_is_found_by_the_recheck() 
         Duration::ZERO,
     );
     let hooks = Hooks {
-        wait_ended: None,
         before_recheck: Some(Arc::new(move |key: String| {
             let (writer, raw) = (writer.clone(), entry.raw().clone());
             Box::pin(async move {
@@ -53,6 +52,7 @@ async fn a_value_written_from_outside_without_publish_is_found_by_the_recheck() 
                     .unwrap();
             })
         })),
+        ..Hooks::default()
     };
     let app = env.spawn_with_hooks(PATIENT, hooks).await;
 

@@ -1,0 +1,196 @@
+//! The outbox `post_changes` (migration 0002): what the triggers write, read
+//! back by snapshot, pruned past CHANGE_RETENTION.
+//!
+//! Why snapshots and not "every id above the last one seen": an id is handed
+//! out when the row is written, before its transaction commits, so a
+//! transaction that began first may commit last, with a lower id than
+//! changes already seen. A snapshot (`pg_current_snapshot()`) names the
+//! transactions that were done when it was taken. Each catch-up reads, in
+//! one repeatable-read transaction, its own snapshot S and every change
+//! whose transaction was not done at the previous one (still running, or
+//! begun since): exactly the changes that became visible between the two,
+//! each once, in whatever order they committed. Then S becomes the
+//! previous one.
+
+use std::time::Duration;
+
+use sqlx::{PgPool, Postgres, Row, Transaction};
+use time::OffsetDateTime;
+
+/// The channel the outbox's trigger notifies, once per statement.
+pub const CHANNEL: &str = "postcache_changes";
+
+/// Changes read per page of a catch-up (each page one statement, under the
+/// statement timeout; all pages in one snapshot).
+pub const PAGE: i64 = 1000;
+
+/// Outbox rows deleted per statement when pruning.
+const PRUNE_BATCH: i64 = 10_000;
+
+/// What changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Insert,
+    Update,
+    Delete,
+    /// The table was truncated: every post.
+    Truncate,
+    /// `postcache invalidate <id>`.
+    Invalidate,
+    /// `postcache invalidate --all`.
+    InvalidateAll,
+}
+
+impl Op {
+    fn parse(op: &str) -> Option<Self> {
+        Some(match op {
+            "insert" => Op::Insert,
+            "update" => Op::Update,
+            "delete" => Op::Delete,
+            "truncate" => Op::Truncate,
+            "invalidate" => Op::Invalidate,
+            "invalidate_all" => Op::InvalidateAll,
+            _ => return None,
+        })
+    }
+
+    /// As written in the outbox, and in the metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Insert => "insert",
+            Op::Update => "update",
+            Op::Delete => "delete",
+            Op::Truncate => "truncate",
+            Op::Invalidate => "invalidate",
+            Op::InvalidateAll => "invalidate_all",
+        }
+    }
+}
+
+/// One change read from the outbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub id: i64,
+    /// `None`: every post.
+    pub post_id: Option<i64>,
+    pub op: Op,
+    pub changed_at: OffsetDateTime,
+}
+
+/// The snapshot of the database now, as text (`xmin:xmax:xip,…`).
+pub async fn snapshot(pool: &PgPool) -> sqlx::Result<String> {
+    sqlx::query_scalar("select pg_current_snapshot()::text")
+        .fetch_one(pool)
+        .await
+}
+
+/// Whether `snapshot` reads as one (a stored position may be garbage).
+pub async fn is_snapshot(pool: &PgPool, snapshot: &str) -> bool {
+    sqlx::query("select $1::pg_snapshot")
+        .bind(snapshot)
+        .execute(pool)
+        .await
+        .is_ok()
+}
+
+/// One catch-up: a read-only repeatable-read transaction, so that every
+/// page and the snapshot agree.
+pub struct CatchUp {
+    tx: Transaction<'static, Postgres>,
+    /// The snapshot of this catch-up: the next one starts from it.
+    pub snapshot: String,
+}
+
+impl CatchUp {
+    pub async fn begin(pool: &PgPool) -> sqlx::Result<Self> {
+        let mut tx = pool
+            .begin_with("begin isolation level repeatable read read only")
+            .await?;
+        let snapshot = sqlx::query_scalar("select pg_current_snapshot()::text")
+            .fetch_one(&mut *tx)
+            .await?;
+        Ok(Self { tx, snapshot })
+    }
+
+    /// One page of the changes not visible in `previous`, those after id
+    /// `after`, in id order.
+    pub async fn page(&mut self, previous: &str, after: i64) -> sqlx::Result<Vec<Change>> {
+        let rows = sqlx::query(
+            "select id, post_id, op, changed_at from post_changes
+             where (xid >= pg_snapshot_xmax($1::pg_snapshot)
+                    or xid in (select pg_snapshot_xip($1::pg_snapshot)))
+               and id > $2
+             order by id
+             limit $3",
+        )
+        .bind(previous)
+        .bind(after)
+        .bind(PAGE)
+        .fetch_all(&mut *self.tx)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|row| {
+                let op: String = row.get("op");
+                Some(Change {
+                    id: row.get("id"),
+                    post_id: row.get("post_id"),
+                    op: Op::parse(&op)?,
+                    changed_at: row.get("changed_at"),
+                })
+            })
+            .collect())
+    }
+
+    /// Ends it (read only: nothing to keep or undo).
+    pub async fn end(self) -> sqlx::Result<()> {
+        self.tx.commit().await
+    }
+}
+
+/// Deletes changes older than `retention`; how many.
+pub async fn prune(pool: &PgPool, retention: Duration) -> sqlx::Result<u64> {
+    let mut pruned = 0;
+    loop {
+        // skip locked: instances pruning at once split the work.
+        let done = sqlx::query(
+            "delete from post_changes where id in (
+                 select id from post_changes
+                 where changed_at < now() - make_interval(secs => $1)
+                 limit $2 for update skip locked)",
+        )
+        .bind(retention.as_secs_f64())
+        .bind(PRUNE_BATCH)
+        .execute(pool)
+        .await?
+        .rows_affected();
+        pruned += done;
+        if done < PRUNE_BATCH as u64 {
+            return Ok(pruned);
+        }
+    }
+}
+
+/// Appends changes to the outbox by hand (`postcache invalidate`): one per
+/// id, or one for every post when `ids` is empty. Their ids, in order.
+pub async fn record(pool: &PgPool, ids: &[i64]) -> sqlx::Result<Vec<(i64, Option<i64>)>> {
+    if ids.is_empty() {
+        let id: i64 = sqlx::query_scalar(
+            "insert into post_changes (post_id, op) values (null, 'invalidate_all') returning id",
+        )
+        .fetch_one(pool)
+        .await?;
+        return Ok(vec![(id, None)]);
+    }
+    let rows = sqlx::query(
+        "insert into post_changes (post_id, op)
+         select unnest($1::bigint[]), 'invalidate' returning id, post_id",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| (row.get("id"), row.get("post_id")))
+        .collect())
+}

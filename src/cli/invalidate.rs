@@ -1,0 +1,79 @@
+//! `postcache invalidate <id>... | --all`: the same invalidation a change
+//! in PostgreSQL causes, by hand.
+//!
+//! Each id is recorded in the outbox (`post_changes`, op `invalidate`),
+//! which gives it a change id and tells every instance whose change feed is
+//! on, then applied to Redis here at once, with that id: fenced, deleted or
+//! marked stale, whether or not an instance runs or follows the feed (the
+//! instances' own applications of the same change are skipped). `--all`
+//! raises the fleet's cutoff in Redis to now (every entry read before it is
+//! stale; no key is scanned), which every instance reads within a second,
+//! and records `invalidate_all` in the outbox so that instances with the
+//! feed raise theirs at once.
+
+use anyhow::Context;
+
+use crate::{
+    cache::Keys,
+    changes::outbox,
+    config::InvalidateArgs,
+    db,
+    flight::{apply, ChangeKind, Settings},
+    startup,
+};
+
+/// What an invalidation did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Invalidated {
+    /// Posts invalidated: (post id, its change id, whether this command
+    /// applied it: false when an instance's feed had already).
+    Posts(Vec<(i64, i64, bool)>),
+    /// Every post read before this instant (unix milliseconds).
+    All { cutoff: u64 },
+}
+
+pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
+    let pool = db::connect(&args.database).await?;
+    let redis = startup::redis_commands(&args.cache).await?;
+    let keys = Keys::new(args.cache.key_prefix.clone(), "post");
+    let settings = Settings::new(&args.cache, args.cache.load_timeout(&args.database));
+    let ids: &[i64] = if args.all { &[] } else { &args.ids };
+    let recorded = outbox::record(&pool, ids)
+        .await
+        .context("failed to record the changes in post_changes (is the database migrated?)")?;
+    pool.close().await;
+    if args.all {
+        let cutoff = apply::raise_cutoff(&redis, &keys)
+            .await
+            .context("failed to raise the cutoff in Redis")?;
+        return Ok(Invalidated::All { cutoff });
+    }
+    let mut done = Vec::with_capacity(recorded.len());
+    for (change, post) in recorded {
+        let post = post.expect("recorded for an id");
+        let applied =
+            apply::apply_change(&redis, &keys, &settings, post, change, ChangeKind::Changed)
+                .await
+                .with_context(|| format!("failed to invalidate post {post} in Redis"))?;
+        done.push((post, change, applied));
+    }
+    Ok(Invalidated::Posts(done))
+}
+
+impl std::fmt::Display for Invalidated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Invalidated::Posts(posts) => {
+                for (post, change, applied) in posts {
+                    let by = if *applied { "here" } else { "by an instance's feed" };
+                    writeln!(f, "post {post}: invalidated (change {change}, applied {by})")?;
+                }
+                Ok(())
+            }
+            Invalidated::All { cutoff } => writeln!(
+                f,
+                "every post read before {cutoff} (unix ms) is stale, on every instance within a second"
+            ),
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! Changes applied to the cache: an item changed or deleted in the source
+//! (the change feed, `postcache invalidate`), or everything at once.
+//!
+//! One item: one script (`apply.lua`) sets the item's fence to the change,
+//! so that a leader that read the row before it stores nothing (see
+//! FINISH_LUA), and deletes the value, or marks it stale under
+//! stale-while-revalidate, or for a delete leaves a tombstone in place of
+//! the value and the fail-safe copy. Idempotent: a change at or below the
+//! fence is skipped, so every instance may apply every change.
+//!
+//! Everything: a cutoff instant, kept in Redis and in each process; every
+//! entry read before it is judged no longer fresh (`freshness::judge`) and
+//! no fail-safe copy read before it is served. No key is scanned. The
+//! cutoff is compared with the instants the loading instances read at, by
+//! their clocks: keep their skew small (as for freshness itself).
+
+use std::{fmt::Display, sync::atomic::Ordering, time::Duration};
+
+use super::{
+    redis::{ApplyFor, ChangeKind},
+    ReadPath, RedisCommands, RedisError, Settings, Source,
+};
+use crate::cache::{now_millis, Entry, Keys, Status};
+
+impl<S: Source> ReadPath<S> {
+    /// Applies change `change` (an increasing id) to `key`; false when it
+    /// was applied already.
+    pub async fn invalidate(
+        &self,
+        key: &S::Key,
+        change: i64,
+        kind: ChangeKind,
+    ) -> Result<bool, RedisError> {
+        apply_change(&self.redis, &self.keys, &self.settings, key, change, kind).await
+    }
+
+    /// The cutoff in force in this process, unix milliseconds (0: none).
+    pub fn cutoff(&self) -> u64 {
+        self.cutoff.load(Ordering::Relaxed)
+    }
+
+    /// Invalidates everything read before now: the fleet's cutoff in Redis
+    /// is raised to now (by this process's clock), and so is this
+    /// process's. Returns the cutoff in force.
+    pub async fn invalidate_all(&self) -> Result<u64, RedisError> {
+        let cutoff = raise_cutoff(&self.redis, &self.keys).await?;
+        self.cutoff.fetch_max(cutoff, Ordering::Relaxed);
+        Ok(cutoff)
+    }
+
+    /// Takes the fleet's cutoff from Redis (another instance or the
+    /// `invalidate --all` command may have raised it). Returns it.
+    pub async fn follow_cutoff(&self) -> Result<u64, RedisError> {
+        let cutoff = self.redis.cutoff(&self.keys.cutoff()).await?;
+        Ok(self.cutoff.fetch_max(cutoff, Ordering::Relaxed).max(cutoff))
+    }
+}
+
+/// Applies change `change` to the keys of item `id` (the read path's
+/// [`ReadPath::invalidate`], and `postcache invalidate`); false when it was
+/// applied already.
+pub async fn apply_change(
+    redis: &RedisCommands,
+    keys: &Keys,
+    settings: &Settings,
+    id: impl Display,
+    change: i64,
+    kind: ChangeKind,
+) -> Result<bool, RedisError> {
+    let s = settings;
+    let negative = s.jitter.apply(s.negative_ttl);
+    let tombstone = Entry::new(Status::NotFound, &[], negative, Duration::ZERO);
+    let lifetimes = ApplyFor {
+        fence: s.fence_ttl(),
+        tombstone: negative,
+        tombstone_copy: if s.max_stale.is_zero() {
+            Duration::ZERO
+        } else {
+            negative + s.max_stale
+        },
+        grace: s.stale_while_revalidate,
+    };
+    redis
+        .apply(&keys.item(id), change, kind, &tombstone, lifetimes)
+        .await
+}
+
+/// Raises the fleet's cutoff in Redis to now (by this process's clock);
+/// the cutoff in force.
+pub async fn raise_cutoff(redis: &RedisCommands, keys: &Keys) -> Result<u64, RedisError> {
+    redis.raise_cutoff(&keys.cutoff(), now_millis()).await
+}

@@ -1,0 +1,350 @@
+//! The change feed: changes made in PostgreSQL reach every instance within
+//! milliseconds, deleted posts stay deleted, a leader that read the row
+//! before a change stores nothing, nothing is lost while the listener's
+//! connection is down, and the same by hand (`postcache invalidate`).
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use futures::future::join_all;
+use postcache::{
+    cli::invalidate::{self, Invalidated},
+    flight::Hooks,
+    testkit::{wait_until, RedisCluster, TestApp, TestEnv, A_WHILE, PATIENT},
+};
+use tokio::sync::Semaphore;
+
+/// Sets a post's title by plain SQL, as any other writer would.
+async fn retitle(env: &TestEnv, id: i64, title: &str) {
+    sqlx::query("update posts set title = $1 where id = $2")
+        .bind(title)
+        .bind(id)
+        .execute(&env.admin)
+        .await
+        .unwrap();
+}
+
+async fn title(app: &TestApp, id: i64) -> Option<String> {
+    let reply = app.get(&format!("/posts/{id}")).await;
+    (reply.status == 200).then(|| reply.json()["title"].as_str().unwrap().to_owned())
+}
+
+/// Waits until every instance serves post `id` with `wanted`; how long.
+async fn until_everywhere(apps: &[TestApp], id: i64, wanted: &str) -> Duration {
+    let started = Instant::now();
+    for app in apps {
+        wait_until("the change to reach the instance", A_WHILE, async || {
+            title(app, id).await.as_deref() == Some(wanted)
+        })
+        .await;
+    }
+    started.elapsed()
+}
+
+/// Every instance caches post `id` (a miss, then a hit).
+async fn warm(apps: &[TestApp], id: i64) {
+    for app in apps {
+        app.get(&format!("/posts/{id}")).await;
+        let again = app.get(&format!("/posts/{id}")).await;
+        assert_eq!(again.x_cache.as_deref(), Some("hit"));
+    }
+}
+
+/// Updates and a delete, on `env`'s Redis: the scenario of the single
+/// server and of the cluster.
+async fn updates_and_deletes_reach_every_instance(env: &TestEnv) {
+    let apps = join_all((0..3).map(|_| env.spawn(&["--negative-ttl", "1s"]))).await;
+    for app in &apps {
+        assert_eq!(app.get("/readyz").await.json()["change_feed"], "up");
+    }
+    for id in 1..=4 {
+        warm(&apps, id).await;
+    }
+
+    for id in 1..=4 {
+        retitle(env, id, &format!("edited {id}")).await;
+    }
+    let mut took = Duration::ZERO;
+    for id in 1..=4 {
+        took = took.max(until_everywhere(&apps, id, &format!("edited {id}")).await);
+    }
+    sqlx::query("delete from posts where id = 2")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    for app in &apps {
+        wait_until("the delete to reach the instance", A_WHILE, async || {
+            app.get("/posts/2").await.status == 404
+        })
+        .await;
+    }
+    // Loads fail from now on; the tombstone the delete left is what is
+    // kept, after its value (NEGATIVE_TTL, 1 s) has gone.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    env.break_posts(true).await;
+    let during: Vec<_> = join_all(apps.iter().map(|app| app.get("/posts/2"))).await;
+    env.break_posts(false).await;
+
+    assert!(took < Duration::from_secs(2), "changes took {took:?}");
+    for reply in during {
+        assert_eq!(
+            reply.status,
+            404,
+            "never the deleted post: {}",
+            reply.text()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn updates_and_deletes_made_by_sql_reach_every_instance() {
+    let env = TestEnv::new(10).await;
+    updates_and_deletes_reach_every_instance(&env).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn updates_and_deletes_reach_every_instance_on_a_redis_cluster() {
+    let cluster = RedisCluster::start(3, 0).await;
+    let env = TestEnv::with_redis(10, cluster.url()).await;
+    updates_and_deletes_reach_every_instance(&env).await;
+}
+
+/// A leader held after its SELECT; the row changes and the change is
+/// applied; then the leader finishes. Its old row is neither stored nor
+/// served: its flight and the waiters elsewhere elect again and read the
+/// new row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_old_row() {
+    let env = TestEnv::new(10).await;
+    let (held, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(Semaphore::new(0)),
+    );
+    let hooks = Hooks {
+        after_load: Some(Arc::new({
+            let (held, release) = (held.clone(), release.clone());
+            move |_key: String| {
+                let (held, release) = (held.clone(), release.clone());
+                Box::pin(async move {
+                    // The first load only.
+                    if !held.swap(true, Ordering::SeqCst) {
+                        release.acquire().await.unwrap().forget();
+                    }
+                })
+            }
+        })),
+        ..Hooks::default()
+    };
+    let leader = env.spawn_with_hooks(PATIENT, hooks).await;
+    let other = env.spawn(PATIENT).await;
+    let fenced_before = counter(&leader, "postcache_fenced_total").await;
+
+    let leading = leader.http.spawn_get("/posts/7");
+    wait_until("the leader to have read the row", A_WHILE, async || {
+        held.load(Ordering::SeqCst)
+    })
+    .await;
+    let waiting = other.http.spawn_get("/posts/7");
+    env.until_subscribed(7).await;
+    retitle(&env, 7, "after the change").await;
+    wait_until("the change to be applied", A_WHILE, async || {
+        env.pttl(&env.keys.fence(7)).await > 0
+    })
+    .await;
+    release.add_permits(1);
+
+    let (lead, _) = leading.await.unwrap();
+    let (wait, _) = waiting.await.unwrap();
+    assert_eq!(lead.status, 200);
+    assert_eq!(
+        lead.json()["title"],
+        "after the change",
+        "the leader's own request"
+    );
+    assert_eq!(
+        wait.json()["title"],
+        "after the change",
+        "a waiter elsewhere"
+    );
+    let stored = env.stored(7).await.expect("the new row is stored");
+    let body: serde_json::Value = serde_json::from_slice(&stored.body()).unwrap();
+    assert_eq!(body["title"], "after the change");
+    assert_eq!(title(&other, 7).await.as_deref(), Some("after the change"));
+    let fenced = counter(&leader, "postcache_fenced_total").await - fenced_before;
+    assert!(fenced >= 1.0, "fenced {fenced} times");
+}
+
+async fn counter(app: &TestApp, series: &str) -> f64 {
+    app.get("/metrics")
+        .await
+        .text()
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The listener's connection is terminated, again and again, while rows
+/// change: every change still arrives, read from the outbox on reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_change_arrives_though_the_listeners_connection_is_cut() {
+    let env = TestEnv::new(20).await;
+    let app = env.spawn(&[]).await;
+    let apps = std::slice::from_ref(&app);
+    for id in 1..=20 {
+        warm(apps, id).await;
+    }
+    let reconnects_before = counter(&app, "postcache_change_feed_reconnects_total").await;
+
+    let feed_up = async || app.get("/readyz").await.json()["change_feed"] == "up";
+    let listener = async || -> Option<i32> {
+        sqlx::query_scalar(
+            "select pid from pg_stat_activity
+             where datname = current_database() and application_name = 'postcache-feed'
+               and query ilike 'listen%'",
+        )
+        .fetch_optional(&env.admin)
+        .await
+        .unwrap()
+    };
+    let mut cut = Vec::new();
+    for id in 1..=20 {
+        if id % 4 == 1 {
+            // A live feed each time, listening on a new connection: up,
+            // then that connection cut, then the row changed at once,
+            // while it reconnects.
+            let mut pid = None;
+            wait_until("the feed to listen anew, and be up", A_WHILE, async || {
+                pid = listener().await.filter(|p| !cut.contains(p));
+                pid.is_some() && feed_up().await
+            })
+            .await;
+            let pid = pid.expect("a listener");
+            let killed: bool = sqlx::query_scalar("select pg_terminate_backend($1)")
+                .bind(pid)
+                .fetch_one(&env.admin)
+                .await
+                .unwrap();
+            assert!(killed);
+            cut.push(pid);
+        }
+        retitle(&env, id, &format!("v2 of {id}")).await;
+    }
+
+    for id in 1..=20 {
+        until_everywhere(apps, id, &format!("v2 of {id}")).await;
+    }
+    wait_until("the feed to be back up", A_WHILE, feed_up).await;
+    let reconnects =
+        counter(&app, "postcache_change_feed_reconnects_total").await - reconnects_before;
+    assert_eq!(cut.len(), 5);
+    assert!(reconnects >= 5.0, "{reconnects} reconnects");
+}
+
+/// With stale-while-revalidate, a changed post is served once more, marked
+/// stale, while one refresh reloads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_stale_while_revalidate_a_changed_post_is_served_stale_while_it_reloads() {
+    let env = TestEnv::new(3).await;
+    let app = env.spawn(&["--stale-while-revalidate", "30s"]).await;
+    warm(std::slice::from_ref(&app), 3).await;
+    let before = app.get("/posts/3").await.json()["title"].clone();
+
+    retitle(&env, 3, "refreshed").await;
+    wait_until("the change to be applied", A_WHILE, async || {
+        env.pttl(&env.keys.fence(3)).await > 0
+    })
+    .await;
+    let stale = app.get("/posts/3").await;
+
+    assert_eq!(stale.x_cache.as_deref(), Some("stale"));
+    assert_eq!(stale.json()["title"], before, "the old body, marked stale");
+    wait_until("the refresh", A_WHILE, async || {
+        title(&app, 3).await.as_deref() == Some("refreshed")
+    })
+    .await;
+    assert_eq!(app.get("/posts/3").await.x_cache.as_deref(), Some("hit"));
+}
+
+/// Writes made with the triggers off are invisible to the feed: `postcache
+/// invalidate` applies the same invalidation by hand, by id or for all,
+/// with the feed on or off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn invalidate_by_id_or_all_applies_what_a_change_would() {
+    let env = TestEnv::new(10).await;
+    let on = env.spawn(&[]).await;
+    let off = env.spawn(&["--change-feed", "off"]).await;
+    let apps = [on, off];
+    assert_eq!(apps[1].get("/readyz").await.json()["change_feed"], "off");
+    for id in [3, 4, 5] {
+        warm(&apps, id).await;
+    }
+    sqlx::query("alter table posts disable trigger user")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    for id in [3, 4, 5] {
+        retitle(&env, id, "behind the feed's back").await;
+    }
+    sqlx::query("alter table posts enable trigger user")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for app in &apps {
+        assert_ne!(
+            title(app, 3).await.as_deref(),
+            Some("behind the feed's back")
+        );
+    }
+
+    let by_id = invalidate::run(&env.invalidate_args(&["3"])).await.unwrap();
+    let Invalidated::Posts(posts) = &by_id else {
+        panic!("{by_id:?}")
+    };
+    assert_eq!(posts.len(), 1);
+    for app in &apps {
+        assert_eq!(
+            title(app, 3).await.as_deref(),
+            Some("behind the feed's back")
+        );
+        assert_ne!(
+            title(app, 4).await.as_deref(),
+            Some("behind the feed's back")
+        );
+    }
+
+    let all = invalidate::run(&env.invalidate_args(&["--all"]))
+        .await
+        .unwrap();
+    assert!(matches!(all, Invalidated::All { .. }), "{all:?}");
+    // The instance without the feed reads the cutoff within a second.
+    until_everywhere(&apps, 4, "behind the feed's back").await;
+    until_everywhere(&apps, 5, "behind the feed's back").await;
+}
+
+/// CHANGE_FEED=off: today's behaviour, a change waits for the TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_the_change_feed_off_a_change_waits_for_the_ttl() {
+    let env = TestEnv::new(3).await;
+    let app = env
+        .spawn(&["--change-feed", "off", "--cache-ttl", "2s"])
+        .await;
+    warm(std::slice::from_ref(&app), 1).await;
+
+    retitle(&env, 1, "later").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before_ttl = title(&app, 1).await;
+
+    assert_ne!(before_ttl.as_deref(), Some("later"));
+    assert_eq!(
+        env.pttl(&env.keys.fence(1)).await,
+        -2,
+        "no fence: nothing applied"
+    );
+    until_everywhere(std::slice::from_ref(&app), 1, "later").await;
+}
