@@ -15,7 +15,7 @@ use futures::future::join_all;
 use postcache::{
     cli::invalidate::{self, Invalidated},
     flight::Hooks,
-    testkit::{wait_until, RedisCluster, TestApp, TestEnv, A_WHILE, PATIENT},
+    testkit::{wait_until, RedisCluster, RedisServer, TestApp, TestEnv, A_WHILE, PATIENT},
 };
 use tokio::sync::Semaphore;
 
@@ -325,6 +325,62 @@ async fn invalidate_by_id_or_all_applies_what_a_change_would() {
     // The instance without the feed reads the cutoff within a second.
     until_everywhere(&apps, 4, "behind the feed's back").await;
     until_everywhere(&apps, 5, "behind the feed's back").await;
+}
+
+/// Redis paused while a row changes: the feed cannot apply it and keeps it
+/// in the outbox; once Redis answers, the change is applied, and the entry
+/// cached before the pause is not served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_change_made_while_redis_is_paused_is_applied_once_it_answers() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(3, redis.url()).await;
+    let app = env.spawn(&["--redis-timeout", "100ms"]).await;
+    warm(std::slice::from_ref(&app), 2).await;
+
+    redis.cli(&["client", "pause", "1500", "all"]);
+    retitle(&env, 2, "changed during the pause").await;
+    let paused = Instant::now();
+    wait_until("the feed to say it is down", A_WHILE, async || {
+        app.get("/readyz").await.json()["change_feed"] == "down"
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500).saturating_sub(paused.elapsed())).await;
+
+    wait_until("the feed to be up again", A_WHILE, async || {
+        app.get("/readyz").await.json()["change_feed"] == "up"
+    })
+    .await;
+    let after = app.get("/posts/2").await;
+    assert_eq!(after.json()["title"], "changed during the pause");
+    assert_ne!(
+        after.x_cache.as_deref(),
+        Some("hit"),
+        "not the entry cached before"
+    );
+}
+
+/// A truncate is every post changed at once: the cutoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_truncate_makes_every_post_gone_everywhere() {
+    let env = TestEnv::new(5).await;
+    let apps = join_all((0..2).map(|_| env.spawn(&[]))).await;
+    for id in 1..=5 {
+        warm(&apps, id).await;
+    }
+
+    sqlx::query("truncate posts")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+
+    for app in &apps {
+        for id in 1..=5 {
+            wait_until("the truncate to reach the instance", A_WHILE, async || {
+                app.get(&format!("/posts/{id}")).await.status == 404
+            })
+            .await;
+        }
+    }
 }
 
 /// CHANGE_FEED=off: today's behaviour, a change waits for the TTL.
