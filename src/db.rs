@@ -48,15 +48,12 @@ pub async fn migrate(settings: &DatabaseSettings) -> anyhow::Result<()> {
 /// there: the query of a killed leader is cancelled instead of running on.
 const CLIENT_CHECK_INTERVAL: &str = "1000";
 
-/// Connections of the change feed: one listens, one catches up and prunes.
-const FEED_CONNECTIONS: u32 = 2;
-
-/// The change feed's own pool (not the loads'), named `postcache-feed` in
-/// `pg_stat_activity`, with the same statement timeout.
-pub fn connect_feed(settings: &DatabaseSettings) -> anyhow::Result<PgPool> {
+/// A pool of the change feed (not the loads'), of `connections`, named
+/// `postcache-feed` in `pg_stat_activity`, with the same statement timeout.
+pub fn connect_feed(settings: &DatabaseSettings, connections: u32) -> anyhow::Result<PgPool> {
     let options = connect_options(settings)?.application_name("postcache-feed");
     Ok(PgPoolOptions::new()
-        .max_connections(FEED_CONNECTIONS)
+        .max_connections(connections)
         .acquire_timeout(settings.db_acquire_timeout)
         .connect_lazy_with(options))
 }

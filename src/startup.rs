@@ -118,7 +118,10 @@ impl Application {
         let connections = ConnectionLimits {
             header_read_timeout: args.header_read_timeout,
             idle_timeout: args.idle_timeout,
-            max_connections: http::connection_cap(args.max_connections),
+            max_connections: http::connection_cap(
+                args.max_connections,
+                args.database.db_max_connections,
+            ),
         };
         Ok(Self {
             router: http::app(state.clone(), limits),

@@ -13,6 +13,7 @@ pub struct ItemKeys {
     pub lock: String,
     pub fail_safe: String,
     pub fence: String,
+    pub applied: String,
     pub channel: String,
 }
 
@@ -39,6 +40,7 @@ impl Keys {
             lock: self.lock(&id),
             fail_safe: self.fail_safe(&id),
             fence: self.fence(&id),
+            applied: self.applied(&id),
             channel: self.channel(&id),
         }
     }
@@ -64,21 +66,33 @@ impl Keys {
         format!("{}fence:{}:{{{id}}}", self.prefix, self.kind)
     }
 
+    /// `P` + `applied:post:{42}`: the changes applied to the item lately
+    /// (as long as its fence lives), so that each is applied once.
+    pub fn applied(&self, id: impl Display) -> String {
+        format!("{}applied:{}:{{{id}}}", self.prefix, self.kind)
+    }
+
     /// `P` + `ready:post:{42}`
     pub fn channel(&self, id: impl Display) -> String {
         format!("{}ready:{}:{{{id}}}", self.prefix, self.kind)
     }
 
-    /// `P` + `post-changes:cutoff`: unix milliseconds before which every
+    /// `P` + `{post-changes}:cutoff`: unix milliseconds before which every
     /// read is invalid (`invalidate --all`, a truncate).
     pub fn cutoff(&self) -> String {
-        format!("{}{}-changes:cutoff", self.prefix, self.kind)
+        format!("{}{{{}-changes}}:cutoff", self.prefix, self.kind)
     }
 
-    /// `P` + `post-changes:position`: the outbox snapshot the fleet has
+    /// `P` + `{post-changes}:cutoffs-applied`: the changes that raised the
+    /// cutoff (same slot as the cutoff), so that each raises it once.
+    pub fn cutoffs_applied(&self) -> String {
+        format!("{}{{{}-changes}}:cutoffs-applied", self.prefix, self.kind)
+    }
+
+    /// `P` + `{post-changes}:position`: the outbox snapshot the fleet has
     /// applied, where a starting instance catches up from.
     pub fn feed_position(&self) -> String {
-        format!("{}{}-changes:position", self.prefix, self.kind)
+        format!("{}{{{}-changes}}:position", self.prefix, self.kind)
     }
 }
 
@@ -94,7 +108,8 @@ mod tests {
         assert_eq!(keys.channel(42), "t1:ready:post:{42}");
         assert_eq!(keys.fail_safe(42), "t1:stale:post:{42}");
         assert_eq!(keys.fence(42), "t1:fence:post:{42}");
-        assert_eq!(keys.cutoff(), "t1:post-changes:cutoff");
+        assert_eq!(keys.applied(42), "t1:applied:post:{42}");
+        assert_eq!(keys.cutoff(), "t1:{post-changes}:cutoff");
         assert_eq!(Keys::new("", "post").value(7), "post:{7}");
         let item = keys.item(42);
         assert_eq!(

@@ -117,10 +117,13 @@ impl Feed {
                 _tasks: tasks,
             });
         }
-        let pool = db::connect_feed(database).context("invalid DATABASE_URL")?;
+        // Catch-ups and pruning take turns on one connection; the listener
+        // has a pool of its own.
+        let pool = db::connect_feed(database, 1).context("invalid DATABASE_URL")?;
         let (sender, mut state) = watch::channel(None);
         let follower = feed::Follower {
             pool: pool.clone(),
+            database: database.clone(),
             read_path,
             retention,
             state: sender,

@@ -84,13 +84,18 @@ pub async fn snapshot(pool: &PgPool) -> sqlx::Result<String> {
         .await
 }
 
-/// Whether `snapshot` reads as one (a stored position may be garbage).
-pub async fn is_snapshot(pool: &PgPool, snapshot: &str) -> bool {
-    sqlx::query("select $1::pg_snapshot")
-        .bind(snapshot)
-        .execute(pool)
-        .await
-        .is_ok()
+/// Whether `snapshot` can be a past snapshot of this database: it reads as
+/// one, and names no transaction later than the database has seen (a
+/// position left in Redis by another cluster, say a restored copy, whose
+/// xids ran higher, would hide every change until ours caught up).
+pub async fn is_past_snapshot(pool: &PgPool, snapshot: &str) -> bool {
+    sqlx::query_scalar::<_, bool>(
+        "select pg_snapshot_xmax($1::pg_snapshot) <= pg_snapshot_xmax(pg_current_snapshot())",
+    )
+    .bind(snapshot)
+    .fetch_one(pool)
+    .await
+    .unwrap_or(false)
 }
 
 /// One catch-up: a read-only repeatable-read transaction, so that every
@@ -116,9 +121,12 @@ impl CatchUp {
     /// `after`, in id order.
     pub async fn page(&mut self, previous: &str, after: i64) -> sqlx::Result<Vec<Change>> {
         let rows = sqlx::query(
+            // A range scan of the xid index from the previous snapshot's
+            // xmin (a condition with OR over the in-progress list could use
+            // no index, and walk the whole outbox).
             "select id, post_id, op, changed_at from post_changes
-             where (xid >= pg_snapshot_xmax($1::pg_snapshot)
-                    or xid in (select pg_snapshot_xip($1::pg_snapshot)))
+             where xid >= pg_snapshot_xmin($1::pg_snapshot)
+               and not pg_visible_in_snapshot(xid, $1::pg_snapshot)
                and id > $2
              order by id
              limit $3",
@@ -148,8 +156,11 @@ impl CatchUp {
     }
 }
 
-/// Deletes changes older than `retention`; how many.
-pub async fn prune(pool: &PgPool, retention: Duration) -> sqlx::Result<u64> {
+/// Deletes changes written longer than `retention` ago whose transaction
+/// was done at `applied` (a snapshot this instance has caught up to: a
+/// transaction open longer than the retention is not pruned before it is
+/// read); how many.
+pub async fn prune(pool: &PgPool, retention: Duration, applied: &str) -> sqlx::Result<u64> {
     let mut pruned = 0;
     loop {
         // skip locked: instances pruning at once split the work.
@@ -157,10 +168,12 @@ pub async fn prune(pool: &PgPool, retention: Duration) -> sqlx::Result<u64> {
             "delete from post_changes where id in (
                  select id from post_changes
                  where changed_at < now() - make_interval(secs => $1)
+                   and pg_visible_in_snapshot(xid, $3::pg_snapshot)
                  limit $2 for update skip locked)",
         )
         .bind(retention.as_secs_f64())
         .bind(PRUNE_BATCH)
+        .bind(applied)
         .execute(pool)
         .await?
         .rows_affected();

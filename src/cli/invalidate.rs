@@ -43,7 +43,8 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
         .context("failed to record the changes in post_changes (is the database migrated?)")?;
     pool.close().await;
     if args.all {
-        let cutoff = apply::raise_cutoff(&redis, &keys)
+        let (change, _) = recorded[0];
+        let cutoff = apply::raise_cutoff(&redis, &keys, change)
             .await
             .context("failed to raise the cutoff in Redis")?;
         return Ok(Invalidated::All { cutoff });

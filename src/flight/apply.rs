@@ -5,8 +5,9 @@
 //! so that a leader that read the row before it stores nothing (see
 //! FINISH_LUA), and deletes the value, or marks it stale under
 //! stale-while-revalidate, or for a delete leaves a tombstone in place of
-//! the value and the fail-safe copy. Idempotent: a change at or below the
-//! fence is skipped, so every instance may apply every change.
+//! the value and the fail-safe copy. Idempotent: a change already applied
+//! (kept in a set beside the fence) is skipped, so every instance may apply
+//! every change, in any order.
 //!
 //! Everything: a cutoff instant, kept in Redis and in each process; every
 //! entry read before it is judged no longer fresh (`freshness::judge`) and
@@ -39,11 +40,12 @@ impl<S: Source> ReadPath<S> {
         self.cutoff.load(Ordering::Relaxed)
     }
 
-    /// Invalidates everything read before now: the fleet's cutoff in Redis
-    /// is raised to now (by this process's clock), and so is this
-    /// process's. Returns the cutoff in force.
-    pub async fn invalidate_all(&self) -> Result<u64, RedisError> {
-        let cutoff = raise_cutoff(&self.redis, &self.keys).await?;
+    /// Invalidates everything read before now, for change `change`: the
+    /// fleet's cutoff in Redis is raised to now (by this process's clock),
+    /// unless that change raised it already, and this process's follows.
+    /// Returns the cutoff in force.
+    pub async fn invalidate_all(&self, change: i64) -> Result<u64, RedisError> {
+        let cutoff = raise_cutoff(&self.redis, &self.keys, change).await?;
         self.cutoff.fetch_max(cutoff, Ordering::Relaxed);
         Ok(cutoff)
     }
@@ -85,8 +87,24 @@ pub async fn apply_change(
         .await
 }
 
-/// Raises the fleet's cutoff in Redis to now (by this process's clock);
-/// the cutoff in force.
-pub async fn raise_cutoff(redis: &RedisCommands, keys: &Keys) -> Result<u64, RedisError> {
-    redis.raise_cutoff(&keys.cutoff(), now_millis()).await
+/// How long a change that raised the cutoff is remembered (so that seeing it
+/// again does not raise it again): longer than the outbox keeps it.
+const CUTOFFS_REMEMBERED: Duration = Duration::from_secs(24 * 3600);
+
+/// Raises the fleet's cutoff in Redis to now (by this process's clock), once
+/// for change `change`; the cutoff in force.
+pub async fn raise_cutoff(
+    redis: &RedisCommands,
+    keys: &Keys,
+    change: i64,
+) -> Result<u64, RedisError> {
+    redis
+        .raise_cutoff(
+            &keys.cutoff(),
+            &keys.cutoffs_applied(),
+            now_millis(),
+            Some(change),
+            CUTOFFS_REMEMBERED,
+        )
+        .await
 }

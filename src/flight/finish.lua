@@ -41,7 +41,8 @@ local publish = true
 if not may_write then
   if current then payload = current else publish = false end
 elseif status(entry) == $FAILED then
-  if current and status(current) ~= $FAILED and u64(current, $FRESH_UNTIL) > tonumber(ARGV[8]) then
+  if current and status(current) ~= $FAILED and u64(current, $FRESH_UNTIL) > tonumber(ARGV[8])
+      and read_at(current) >= tonumber(ARGV[10]) then
     payload = current
   else
     -- The last good copy: the value (a found entry past freshness), else

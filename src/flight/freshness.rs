@@ -35,16 +35,17 @@ pub enum Verdict {
 /// milliseconds), with `grace` the stale-while-revalidate window and
 /// `cutoff` the instant (unix milliseconds, 0: none) before which every read
 /// was invalidated (`invalidate --all`, a truncate): an entry read before it
-/// is fresh no longer than the cutoff, and is no backoff copy to serve.
+/// is a miss, fresh no longer than the cutoff, with no grace (a truncate
+/// deletes every post: no old body is served stale) and no backoff copy.
 pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Verdict {
     let Some(entry) = entry else {
         return Verdict::Miss;
     };
     let invalidated = entry.read_at() < cutoff;
-    let fresh_until = if invalidated {
-        entry.fresh_until().min(cutoff)
+    let (fresh_until, grace) = if invalidated {
+        (entry.fresh_until().min(cutoff), Duration::ZERO)
     } else {
-        entry.fresh_until()
+        (entry.fresh_until(), grace)
     };
     // Order matters: a failure marker carries no body whatever its flags,
     // and a backoff copy is served whatever its freshness (it is kept only
@@ -326,7 +327,7 @@ mod properties {
             } else {
                 let fresh = matches!(verdict, Verdict::Fresh(_));
                 prop_assert!(!fresh || now < cutoff.min(e.fresh_until()));
-                prop_assert!(!matches!(verdict, Verdict::Backoff(_)));
+                prop_assert!(!matches!(verdict, Verdict::Backoff(_) | Verdict::StaleInGrace(_)));
             }
         }
 

@@ -137,6 +137,13 @@ impl<S: Source> ReadPath<S> {
                     tracing::debug!(%key, "a change was applied during the load: fenced");
                     return Led::Fenced(entry);
                 };
+                // Read before a cutoff raised meanwhile (`invalidate --all`,
+                // a truncate): stale already, as a change would have made it.
+                if published.read_at() < self.cutoff() {
+                    metrics::fenced();
+                    tracing::debug!(%key, "the cutoff was raised during the load: fenced");
+                    return Led::Fenced(entry);
+                }
                 if entry.status() == Status::Failed && published.status() == Status::Found {
                     tracing::warn!(%key, "load failed; serving the stored copy");
                 }

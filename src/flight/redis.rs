@@ -434,7 +434,13 @@ impl RedisCommands {
             Value::Integer(ms(lifetimes.grace)),
             Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
         ];
-        let script_keys = [&keys.value, &keys.lock, &keys.fail_safe, &keys.fence];
+        let script_keys = [
+            &keys.value,
+            &keys.lock,
+            &keys.fail_safe,
+            &keys.fence,
+            &keys.applied,
+        ];
         let applied: i64 = self
             .bounded(&keys.value, |c| {
                 let (script_keys, args) = (script_keys.map(String::as_str).to_vec(), args.clone());
@@ -455,14 +461,30 @@ impl RedisCommands {
         Ok(raw.and_then(|r| r.parse().ok()).unwrap_or(0))
     }
 
-    /// Raises the cutoff at `key` to `to` (never lowers it); the one in force.
-    pub async fn raise_cutoff(&self, key: &str, to: u64) -> Result<u64, RedisError> {
+    /// Raises the cutoff at `key` to `to` (never lowers it), once per
+    /// `change` (remembered in `applied` for `remember`); the one in force.
+    pub async fn raise_cutoff(
+        &self,
+        key: &str,
+        applied: &str,
+        to: u64,
+        change: Option<i64>,
+        remember: Duration,
+    ) -> Result<u64, RedisError> {
+        let args = vec![
+            Value::Integer(to as i64),
+            change.map_or(Value::from(""), Value::Integer),
+            Value::Integer(ms(remember).max(1)),
+        ];
         let now_in_force: i64 = self
-            .bounded(key, |c| async move {
-                let raise = &self.scripts.raise_cutoff;
-                raise
-                    .evalsha_with_reload(&c, vec![key], vec![Value::Integer(to as i64)])
-                    .await
+            .bounded(key, |c| {
+                let args = args.clone();
+                async move {
+                    let raise = &self.scripts.raise_cutoff;
+                    raise
+                        .evalsha_with_reload(&c, vec![key, applied], args)
+                        .await
+                }
             })
             .await?;
         Ok(now_in_force.max(0) as u64)

@@ -63,17 +63,19 @@ use crate::cache::entry;
 const FINISH_LUA: &str = include_str!("finish.lua");
 
 /// A change applied to an item's keys, in one round trip; idempotent (a
-/// change at or below the fence is skipped: applied already, by this
-/// instance or another).
+/// change already in the item's set of applied changes is skipped: applied
+/// by this instance or another, in whatever order the changes arrive).
 ///
-/// Sets the fence to the change (for FENCE_TTL, while there is a value or a
-/// leader to fence). A delete puts a tombstone (a not-found entry) in place
+/// Sets the fence to the change, a value no fence had before, and records
+/// the change as applied (both for the fence's lifetime, while there is a
+/// value or a leader to fence). A delete puts a tombstone (a not-found entry) in place
 /// of the value and of the fail-safe copy, where they exist. Any other
 /// change deletes the value, or with stale-while-revalidate marks a found
 /// one stale (fresh until now, kept no longer than the grace window), and
 /// deletes a tombstone copy (the item exists again).
 ///
-/// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy, KEYS[4] fence.
+/// KEYS[1] value, KEYS[2] lock, KEYS[3] fail-safe copy, KEYS[4] fence,
+/// KEYS[5] the changes applied.
 /// ARGV[1] change id, ARGV[2] `delete` or `change`, ARGV[3] fence TTL ms,
 /// ARGV[4] the tombstone, ARGV[5] its TTL ms as the value, ARGV[6] as the
 /// fail-safe copy (0: none), ARGV[7] the grace window ms (0: off),
@@ -103,10 +105,20 @@ fn with_layout(lua: &str) -> String {
         .replace("$BACKOFF", &entry::FLAG_BACKOFF.to_string())
 }
 
-/// Raises the cutoff to ARGV[1] (unix ms) unless it is higher already.
-/// KEYS[1] the cutoff key. Returns the cutoff now in force.
+/// Raises the cutoff to ARGV[1] (unix ms) unless it is higher already, once
+/// per change: a change seen again (another instance, a catch-up replayed)
+/// does not raise it again.
+/// KEYS[1] the cutoff, KEYS[2] the changes that raised it; ARGV[2] the
+/// change id ("" for none), ARGV[3] how long a change is remembered, ms.
+/// Returns the cutoff in force.
 const RAISE_CUTOFF_LUA: &str = r#"
 local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+if ARGV[2] ~= '' then
+  if redis.call('SADD', KEYS[2], ARGV[2]) == 0 then
+    return current
+  end
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
 local wanted = tonumber(ARGV[1])
 if wanted > current then
   redis.call('SET', KEYS[1], ARGV[1])

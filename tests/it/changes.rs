@@ -205,7 +205,7 @@ async fn every_change_arrives_though_the_listeners_connection_is_cut() {
         sqlx::query_scalar(
             "select pid from pg_stat_activity
              where datname = current_database() and application_name = 'postcache-feed'
-               and query ilike 'listen%'",
+               and (query ilike 'listen%' or query = 'select 1')",
         )
         .fetch_optional(&env.admin)
         .await
@@ -381,6 +381,103 @@ async fn a_truncate_makes_every_post_gone_everywhere() {
             .await;
         }
     }
+}
+
+/// Change ids are handed out before commit: a change with a lower id can
+/// commit after one with a higher id (here `invalidate`, by hand). It is
+/// applied all the same, and the row read before it is not kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_change_that_commits_after_a_later_numbered_one_is_still_applied() {
+    let env = TestEnv::new(10).await;
+    let app = env.spawn(&[]).await;
+    warm(std::slice::from_ref(&app), 5).await;
+
+    // The update takes its change id, then waits to commit.
+    let mut slow = env.admin.begin().await.unwrap();
+    sqlx::query("update posts set title = 'committed last' where id = 5")
+        .execute(&mut *slow)
+        .await
+        .unwrap();
+    invalidate::run(&env.invalidate_args(&["5"])).await.unwrap();
+    // A reader loads the row as it was before the update, and caches it.
+    let before = app.get("/posts/5").await;
+    assert_eq!(before.x_cache.as_deref(), Some("miss"));
+    assert_ne!(before.json()["title"], "committed last");
+    slow.commit().await.unwrap();
+
+    until_everywhere(std::slice::from_ref(&app), 5, "committed last").await;
+}
+
+/// After `invalidate --all`, a load that fails serves no entry read before
+/// it, and the cutoff is raised once per change however often the change
+/// is seen (every instance applies it, a catch-up may replay it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_invalidate_all_no_old_body_is_served_and_the_cutoff_moves_once() {
+    let env = TestEnv::new(5).await;
+    let apps = join_all((0..2).map(|_| env.spawn(&["--failure-ttl", "0s"]))).await;
+    warm(&apps, 1).await;
+
+    let Invalidated::All { cutoff } = invalidate::run(&env.invalidate_args(&["--all"]))
+        .await
+        .unwrap()
+    else {
+        panic!("every post")
+    };
+    // Both instances apply the same change from the feed meanwhile.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let stored: Option<String> = fred::prelude::KeysInterface::get(&env.redis, env.keys.cutoff())
+        .await
+        .unwrap();
+    env.break_posts(true).await;
+    let during: Vec<_> = join_all(apps.iter().map(|app| app.get("/posts/1"))).await;
+    env.break_posts(false).await;
+
+    assert_eq!(
+        stored,
+        Some(cutoff.to_string()),
+        "raised once, by the command"
+    );
+    for reply in during {
+        assert_eq!(
+            reply.status,
+            503,
+            "not the body read before: {}",
+            reply.text()
+        );
+    }
+}
+
+/// A Redis Cluster master stalls: changes to its posts wait in the retry
+/// list, and those of the other shards are applied meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_cluster_node_holds_back_only_its_own_posts_changes() {
+    let cluster = RedisCluster::start(3, 0).await;
+    let env = TestEnv::with_redis(30, cluster.url()).await;
+    let app = env.spawn(&["--redis-timeout", "100ms"]).await;
+    let apps = std::slice::from_ref(&app);
+    let stalled = cluster.master_of(&env.keys.value(1));
+    let other = (2..=30)
+        .find(|id| cluster.master_of(&env.keys.value(*id)) != stalled)
+        .expect("a post on another shard");
+    warm(apps, 1).await;
+    warm(apps, other).await;
+
+    cluster.cli(stalled, &["client", "pause", "2000", "write"]);
+    let paused = Instant::now();
+    retitle(&env, 1, "on the stalled shard").await;
+    retitle(&env, other, "on a healthy shard").await;
+    until_everywhere(apps, other, "on a healthy shard").await;
+    let healthy_after = paused.elapsed();
+
+    until_everywhere(apps, 1, "on the stalled shard").await;
+    assert!(
+        healthy_after < Duration::from_millis(1500),
+        "the healthy shard's change waited {healthy_after:?}"
+    );
+    wait_until("the feed to be up again", A_WHILE, async || {
+        app.get("/readyz").await.json()["change_feed"] == "up"
+    })
+    .await;
 }
 
 /// CHANGE_FEED=off: today's behaviour, a change waits for the TTL.

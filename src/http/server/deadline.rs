@@ -46,6 +46,18 @@ const BUSY: u64 = u64::MAX;
 /// bounds a client that does not read).
 const SHUTDOWN_WRITE_GRACE: Duration = Duration::from_secs(1);
 
+/// What a shutdown makes of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Drain {
+    /// A request in flight: answered, then closed.
+    Busy,
+    /// Answered (its answer perhaps still being written), idle since:
+    /// closed once written, within SHUTDOWN_WRITE_GRACE.
+    Answered,
+    /// Opened, or a request's first bytes in, no request yet: closed now.
+    Reading,
+}
+
 /// Why a connection was closed by its deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Expiry {
@@ -126,11 +138,20 @@ impl Deadline {
         self.close_at.load(Ordering::Relaxed) == BUSY
     }
 
-    /// The service shuts down: whether this connection is busy and is to be
-    /// closed once answered (otherwise it is closed at once by the caller).
-    pub(super) fn drain(&self) -> bool {
+    /// The service shuts down: what is to become of this connection. One
+    /// that has answered may still be writing its answer: it gets
+    /// SHUTDOWN_WRITE_GRACE (hyper closes it as soon as it is done).
+    pub(super) fn drain(&self) -> Drain {
         self.draining.store(true, Ordering::Relaxed);
-        self.is_busy()
+        if self.is_busy() {
+            Drain::Busy
+        } else if self.idle_now.load(Ordering::Relaxed) {
+            let grace = self.now() + nanos(SHUTDOWN_WRITE_GRACE);
+            self.close_at.fetch_min(grace, Ordering::Relaxed);
+            Drain::Answered
+        } else {
+            Drain::Reading
+        }
     }
 
     /// Completes when the deadline passes, saying which one it was.
@@ -150,7 +171,13 @@ impl Deadline {
                     Expiry::HeaderRead
                 };
             }
-            let wake = close_at.min(now + nanos(self.step));
+            // Draining, deadlines are set SHUTDOWN_WRITE_GRACE ahead.
+            let step = if self.draining.load(Ordering::Relaxed) {
+                self.step.min(SHUTDOWN_WRITE_GRACE)
+            } else {
+                self.step
+            };
+            let wake = close_at.min(now + nanos(step));
             tokio::time::sleep_until(self.epoch + Duration::from_nanos(wake)).await;
         }
     }
@@ -319,12 +346,28 @@ mod tests {
         let d = Deadline::new(HEADERS, IDLE);
         let busy = d.begin_request();
 
-        assert!(d.drain(), "busy: closed once answered");
+        assert_eq!(d.drain(), Drain::Busy, "closed once answered");
         drop(busy);
         let answered = Instant::now();
 
         assert_eq!(d.expired().await, Expiry::Idle);
         assert_eq!(answered.elapsed(), SHUTDOWN_WRITE_GRACE);
-        assert!(!d.drain(), "idle: closed at once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_gives_an_answered_connection_the_write_grace_and_a_reading_one_none() {
+        let answered = Deadline::new(HEADERS, IDLE);
+        drop(answered.begin_request());
+        let reading = Deadline::new(HEADERS, IDLE);
+        let stopped = Instant::now();
+
+        assert_eq!(answered.drain(), Drain::Answered);
+        assert_eq!(reading.drain(), Drain::Reading);
+        assert_eq!(answered.expired().await, Expiry::Idle);
+        assert_eq!(
+            stopped.elapsed(),
+            SHUTDOWN_WRITE_GRACE,
+            "not the idle timeout"
+        );
     }
 }

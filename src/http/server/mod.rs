@@ -31,7 +31,7 @@ use tokio::{
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tower::ServiceExt;
 
-use self::deadline::{Deadline, Watched};
+use self::deadline::{Deadline, Drain, Watched};
 use super::ApiError;
 use crate::telemetry::metrics;
 
@@ -154,12 +154,13 @@ async fn connection(
             }
             () = stopping.cancelled(), if !draining => {
                 draining = true;
-                if !deadline.drain() {
-                    // Idle, or a request not yet received: closed at once.
-                    return;
+                match deadline.drain() {
+                    // No request yet: closed at once.
+                    Drain::Reading => return,
+                    // hyper closes an idle connection at once, and one
+                    // still writing (or busy) once its answer is out.
+                    Drain::Answered | Drain::Busy => conn.as_mut().graceful_shutdown(),
                 }
-                // Busy: hyper answers, then closes.
-                conn.as_mut().graceful_shutdown();
             }
         }
     }
@@ -242,18 +243,19 @@ async fn accept_failed(e: io::Error, last_warning: &mut Option<Instant>) {
     tokio::time::sleep(ACCEPT_BACKOFF).await;
 }
 
-/// File descriptors kept for everything but client connections: the
-/// PostgreSQL pool, the Redis connections (one per primary on a cluster),
-/// lingering refusals, logs.
+/// File descriptors kept for everything but client connections and the
+/// PostgreSQL pool: the Redis connections (one per primary on a cluster),
+/// the change feed, lingering refusals, logs.
 const FD_RESERVE: u64 = 256;
 
-/// MAX_CONNECTIONS as the process can honour it: the soft file-descriptor
-/// limit is raised (up to the hard one) to fit it, and where it cannot be,
-/// the cap is lowered to fit the limit, with a warning, so that connections
-/// past it are refused rather than left in the listen queue by failing
-/// accepts.
-pub fn connection_cap(max_connections: usize) -> usize {
-    let wanted = max_connections as u64 + FD_RESERVE;
+/// MAX_CONNECTIONS as the process can honour it beside `db_connections`:
+/// the soft file-descriptor limit is raised (up to the hard one) to fit
+/// both, and where it cannot be, the cap is lowered to fit the limit, with a
+/// warning, so that connections past it are refused rather than left in
+/// the listen queue by failing accepts.
+pub fn connection_cap(max_connections: usize, db_connections: u32) -> usize {
+    let reserve = FD_RESERVE + u64::from(db_connections);
+    let wanted = max_connections as u64 + reserve;
     let limit = match rlimit::increase_nofile_limit(wanted) {
         Ok(limit) => limit,
         Err(e) => {
@@ -264,12 +266,12 @@ pub fn connection_cap(max_connections: usize) -> usize {
     if limit >= wanted {
         return max_connections;
     }
-    let cap = limit.saturating_sub(FD_RESERVE).max(1) as usize;
+    let cap = limit.saturating_sub(reserve).max(1) as usize;
     tracing::warn!(
         max_connections,
         file_descriptor_limit = limit,
         cap,
-        "the file-descriptor limit is below MAX_CONNECTIONS plus {FD_RESERVE}: connections capped lower"
+        "the file-descriptor limit is below MAX_CONNECTIONS plus {reserve}: connections capped lower"
     );
     cap
 }
@@ -302,13 +304,13 @@ mod tests {
         let (soft, _) = rlimit::Resource::NOFILE.get().unwrap();
         let huge = (soft as usize).saturating_mul(4);
         // Unless the hard limit is far above the soft one, the cap comes down.
-        let cap = connection_cap(huge);
+        let cap = connection_cap(huge, 16);
 
         let (limit, _) = rlimit::Resource::NOFILE.get().unwrap();
         assert!(
-            cap == huge || cap as u64 + FD_RESERVE == limit || cap == 1,
+            cap == huge || cap as u64 + FD_RESERVE + 16 == limit || cap == 1,
             "cap {cap} for a limit of {limit}"
         );
-        assert_eq!(connection_cap(10), 10);
+        assert_eq!(connection_cap(10, 16), 10);
     }
 }
