@@ -12,19 +12,7 @@
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use postcache::testkit::{wait_until, Http, TableLock, TestEnv};
-
-async fn gauge(http: &Http, name: &str) -> f64 {
-    http.get("/metrics")
-        .await
-        .text()
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix(name)
-                .and_then(|rest| rest.trim().parse().ok())
-        })
-        .unwrap_or(0.0)
-}
+use postcache::testkit::{wait_until, TableLock, TestEnv};
 
 #[tokio::main]
 async fn main() {
@@ -56,7 +44,7 @@ async fn main() {
     wait_until(
         "every request to arrive",
         Duration::from_secs(60),
-        async || gauge(http, "postcache_reads_in_progress").await >= n as f64,
+        async || http.metric("postcache_reads_in_progress").await >= n as f64,
     )
     .await;
     let arrived = started.elapsed();

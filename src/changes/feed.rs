@@ -111,7 +111,8 @@ impl Follower {
         };
         let mut backoff = RETRY_FIRST;
         loop {
-            let error = self.session(&mut progress, &mut backoff).await;
+            // One connection's life: it ends only with why it ended.
+            let Err(error) = self.listen_and_follow(&mut progress, &mut backoff).await;
             if *self.state.borrow() == Some(FeedState::Up) {
                 tracing::warn!(
                     error = format!("{error:#}"),
@@ -130,14 +131,6 @@ impl Follower {
     fn set(&self, state: FeedState) {
         metrics::feed_up(state == FeedState::Up);
         self.state.send_replace(Some(state));
-    }
-
-    /// One connection's life; returns why it ended.
-    async fn session(&self, progress: &mut Progress, backoff: &mut Duration) -> anyhow::Error {
-        match self.listen_and_follow(progress, backoff).await {
-            Ok(never) => match never {},
-            Err(error) => error,
-        }
     }
 
     async fn listen_and_follow(
@@ -205,26 +198,37 @@ impl Follower {
         Ok(outbox::snapshot(&self.pool).await?)
     }
 
-    /// Applies what waits for a retry, then reads and applies every change
-    /// not visible in the previous snapshot; its snapshot then becomes the
-    /// previous one (what fails to apply is kept for a retry). Up once
-    /// nothing waits.
+    /// Reads every change not visible in the previous snapshot and applies
+    /// it, with what waits for a retry (beside the first page, not before
+    /// it: a change stuck on a stalled node must not delay the new ones);
+    /// its snapshot then becomes the previous one (what fails to apply is
+    /// kept for a retry). Up once nothing waits.
     async fn catch_up(&self, progress: &mut Progress) -> anyhow::Result<()> {
         let limit = self.step_limit();
-        let waiting = std::mem::take(&mut progress.retry);
-        self.apply(waiting.into_values().collect(), progress).await;
         let previous = progress
             .previous
             .clone()
             .expect("set before the first catch-up");
         let mut catch_up = bounded(limit, "catch-up", CatchUp::begin(&self.pool)).await?;
+        let mut changes: Vec<Change> = std::mem::take(&mut progress.retry).into_values().collect();
         let mut after = 0;
         loop {
-            let page = bounded(limit, "catch-up page", catch_up.page(&previous, after)).await?;
-            let Some(last) = page.last() else { break };
-            after = last.id;
+            let page = match bounded(limit, "catch-up page", catch_up.page(&previous, after)).await
+            {
+                Ok(page) => page,
+                Err(error) => {
+                    // Still waiting: kept for the next catch-up.
+                    for change in changes {
+                        keep_for_retry(&mut progress.retry, change);
+                    }
+                    return Err(error);
+                }
+            };
             let full = page.len() as i64 == PAGE;
-            self.apply(page, progress).await;
+            after = page.last().map_or(after, |last| last.id);
+            // After what waited: the later of a post's changes is applied.
+            changes.extend(page);
+            self.apply(std::mem::take(&mut changes), progress).await;
             if !full {
                 break;
             }

@@ -455,9 +455,7 @@ impl RedisCommands {
 
     /// The cutoff stored at `key` (unix ms; 0 when none).
     pub async fn cutoff(&self, key: &str) -> Result<u64, RedisError> {
-        let raw: Option<String> = self
-            .bounded(key, |c| async move { c.get(key).await })
-            .await?;
+        let raw = self.get_string(key).await?;
         Ok(raw.and_then(|r| r.parse().ok()).unwrap_or(0))
     }
 

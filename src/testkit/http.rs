@@ -103,6 +103,12 @@ impl Http {
         self.send(method, path, &[]).await.expect("request failed")
     }
 
+    /// A series of the instance's `/metrics` (`name{labels}` as rendered),
+    /// 0 when absent.
+    pub async fn metric(&self, series: &str) -> f64 {
+        metric(&self.get("/metrics").await.text(), series).unwrap_or(0.0)
+    }
+
     /// Sends a GET as a task of its own; it answers with the reply and the
     /// instant it arrived.
     pub fn spawn_get(&self, path: &str) -> JoinHandle<(Reply, Instant)> {
@@ -112,6 +118,13 @@ impl Http {
             (reply, Instant::now())
         })
     }
+}
+
+/// A series in a Prometheus text exposition (`name{labels}` as rendered).
+pub fn metric(exposition: &str, series: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
 
 /// Fires `n` GETs of `path` as tasks, spread round-robin over `apps`.

@@ -26,7 +26,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-pub use http::{answered, fire, in_progress, Http, Reply, TestApp};
+pub use http::{answered, fire, in_progress, metric, Http, Reply, TestApp};
 pub use load::{Record, Sample, SteadyLoad, Zipf};
 pub use process::{ServiceProcess, TcpProxy};
 pub use redis::{RedisCluster, RedisServer};

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use postcache::testkit::{
-    raw_request, wait_until, RawConn, TableLock, TestApp, TestEnv, A_WHILE, PATIENT,
+    metric, raw_request, wait_until, RawConn, TableLock, TestEnv, A_WHILE, PATIENT,
 };
 
 /// Slack for a deadline on this shared machine: a connection closes at its
@@ -13,15 +13,6 @@ const SLACK: Duration = Duration::from_millis(1500);
 /// The client sees an answer a little after the server started the idle
 /// deadline: a close measured from the answer may look this much early.
 const EARLY: Duration = Duration::from_millis(50);
-
-/// A counter of the instance's /metrics, read on a connection of its own.
-async fn counter(app: &TestApp, series: &str) -> f64 {
-    let metrics = app.get("/metrics").await.text();
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
 
 #[track_caller]
 fn assert_closed_at(what: &str, closed: Option<Instant>, from: Instant, deadline: Duration) {
@@ -41,11 +32,10 @@ async fn half_sent_headers_are_closed_at_the_header_read_timeout_however_they_tr
         .spawn(&["--header-read-timeout", "500ms", "--idle-timeout", "30s"])
         .await;
     let addr = app.http.addr();
-    let before = counter(
-        &app,
-        r#"postcache_connections_timed_out_total{timeout="header_read"}"#,
-    )
-    .await;
+    let before = app
+        .http
+        .metric(r#"postcache_connections_timed_out_total{timeout="header_read"}"#)
+        .await;
 
     // Ten that send a request line and one header, one that sends nothing,
     // one that sends a byte every 100 ms (each would push back a deadline
@@ -81,11 +71,10 @@ async fn half_sent_headers_are_closed_at_the_header_read_timeout_however_they_tr
     // Its first byte went 100 ms after it opened: the deadline ran from the open.
     assert_closed_at("trickling", trickled, trickle.opened, timeout);
     assert_eq!(served.status, 200, "the instance kept serving");
-    let after = counter(
-        &app,
-        r#"postcache_connections_timed_out_total{timeout="header_read"}"#,
-    )
-    .await;
+    let after = app
+        .http
+        .metric(r#"postcache_connections_timed_out_total{timeout="header_read"}"#)
+        .await;
     assert!(after - before >= 12.0, "{before} → {after}");
 }
 
@@ -197,15 +186,8 @@ async fn past_max_connections_new_ones_get_503_at_once_and_open_ones_keep_workin
     // The connections already open keep working, the metrics among them.
     assert_eq!(open[0].get("/posts/2").await.status, 200);
     let metrics = open[1].get("/metrics").await.body;
-    let refused_count: f64 = metrics
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("postcache_connections_refused_total")?
-                .trim()
-                .parse()
-                .ok()
-        })
-        .expect("the refusals counted");
+    let refused_count =
+        metric(&metrics, "postcache_connections_refused_total").expect("the refusals counted");
     assert!(refused_count >= 2.0, "{refused_count}");
 
     // A connection that closes frees its place.
