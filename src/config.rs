@@ -237,6 +237,16 @@ pub struct CacheSettings {
     #[arg(long, env = "MAX_STALE", default_value = "1h", value_parser = parse_duration)]
     pub max_stale: Duration,
 
+    /// Byte budget of the in-process memory tier in front of Redis (0 = off).
+    #[arg(long, env = "L1_MAX_BYTES", default_value_t = 64 << 20)]
+    pub l1_max_bytes: u64,
+
+    /// Longest an entry is served from the memory tier: the bound on a
+    /// change not seen by this instance (CHANGE_FEED=off, `invalidate` by
+    /// hand); an entry never outlives its freshness either.
+    #[arg(long, env = "L1_TTL", default_value = "30s", value_parser = parse_duration)]
+    pub l1_ttl: Duration,
+
     /// How long a failed load is remembered fleet-wide: no retry of the database
     /// for the key meanwhile (503 at once, or the fail-safe copy) (0 = off).
     #[arg(long, env = "FAILURE_TTL", default_value = "2s", value_parser = parse_duration)]

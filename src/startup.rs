@@ -3,7 +3,6 @@
 use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context;
-use axum::Router;
 use fred::{
     clients::SubscriberClient,
     prelude::*,
@@ -47,7 +46,7 @@ const LISTEN_BACKLOG: u32 = 4096;
 /// A built, bound, not yet running service.
 pub struct Application {
     listener: TcpListener,
-    router: Router,
+    endpoint: http::Endpoint,
     connections: ConnectionLimits,
     state: AppState,
     redis: Client,
@@ -124,7 +123,7 @@ impl Application {
             ),
         };
         Ok(Self {
-            router: http::app(state.clone(), limits),
+            endpoint: http::Endpoint::new(state.clone(), limits),
             connections,
             listener,
             state,
@@ -153,7 +152,7 @@ impl Application {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         tracing::info!(addr = %self.local_addr(), "listening");
-        http::serve(self.listener, self.router, self.connections, shutdown).await;
+        http::serve(self.listener, self.endpoint, self.connections, shutdown).await;
         tracing::info!("stopped accepting; finishing flights and refreshes");
         if !self.state.read_path.drain(DRAIN_LIMIT).await {
             tracing::warn!("flights still running at shutdown; their locks expire by themselves");

@@ -52,15 +52,18 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     let (text, after) = scrape(&apps[0]).await;
 
     let d = |s: &str| delta(&before, &after, s);
-    assert_eq!(d(r#"postcache_requests_total{outcome="miss"}"#), 1.0);
     assert_eq!(
-        d(r#"postcache_requests_total{outcome="coalesced_local"}"#)
-            + d(r#"postcache_requests_total{outcome="coalesced_remote"}"#),
+        d(r#"postcache_requests_total{outcome="miss",tier="none"}"#),
+        1.0
+    );
+    assert_eq!(
+        d(r#"postcache_requests_total{outcome="coalesced_local",tier="none"}"#)
+            + d(r#"postcache_requests_total{outcome="coalesced_remote",tier="none"}"#),
         999.0
     );
     // Two other instances learnt the outcome from the leader's message.
     assert_eq!(
-        d(r#"postcache_requests_total{outcome="coalesced_remote"}"#),
+        d(r#"postcache_requests_total{outcome="coalesced_remote",tier="none"}"#),
         2.0
     );
     assert_eq!(d(r#"postcache_db_loads_total{result="found"}"#), 1.0);
@@ -70,12 +73,27 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     assert_eq!(d(r#"postcache_waits_total{ended_by="timeout"}"#), 0.0);
     assert_eq!(d("postcache_wait_duration_seconds_count"), 2.0);
     assert_eq!(
-        d(r#"postcache_request_duration_seconds_count{outcome="miss"}"#),
+        d(r#"postcache_request_duration_seconds_count{outcome="miss",tier="none"}"#),
         1.0
     );
     assert_eq!(d(r#"postcache_http_errors_total{status="504"}"#), 0.0);
     assert_eq!(get(&after, "postcache_flights_in_progress"), 0.0);
     promtool_accepts(&text);
+
+    // The stampede's answer is kept in memory: the next read is a memory hit.
+    let reply = apps[0].get("/posts/7").await;
+    assert_eq!(reply.tier(), Some("memory"));
+    let (_, kept) = scrape(&apps[0]).await;
+    assert_eq!(
+        delta(
+            &after,
+            &kept,
+            r#"postcache_requests_total{outcome="hit",tier="memory"}"#
+        ),
+        1.0
+    );
+    assert_eq!(get(&kept, "postcache_memory_tier_entries"), 1.0);
+    assert_eq!(get(&kept, "postcache_memory_tier_serving"), 1.0);
 
     // A fail-open episode: an instance whose Redis is gone.
     let closed = free_port();
@@ -97,7 +115,10 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     }
     let (text, after) = scrape(&down).await;
     let d = |s: &str| delta(&before, &after, s);
-    assert_eq!(d(r#"postcache_requests_total{outcome="bypass"}"#), 10.0);
+    assert_eq!(
+        d(r#"postcache_requests_total{outcome="bypass",tier="none"}"#),
+        10.0
+    );
     assert_eq!(d(r#"postcache_db_loads_total{result="found"}"#), 10.0);
     assert!(
         d(r#"postcache_redis_errors_total{kind="circuit_open"}"#) >= 1.0,

@@ -220,6 +220,15 @@ impl Entry {
         }
     }
 
+    /// The same entry in an allocation of its own: keeping it does not keep
+    /// alive a larger buffer its bytes were read into.
+    pub fn detached(&self) -> Self {
+        Self {
+            raw: Bytes::copy_from_slice(&self.raw),
+            ..self.clone()
+        }
+    }
+
     /// A strong validator over the body, stable across instances and builds.
     pub fn etag(&self) -> u64 {
         self.etag

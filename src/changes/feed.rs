@@ -130,6 +130,8 @@ impl Follower {
 
     fn set(&self, state: FeedState) {
         metrics::feed_up(state == FeedState::Up);
+        // Changes may go unseen while down: no memory tier then.
+        self.read_path.serve_from_memory(state == FeedState::Up);
         self.state.send_replace(Some(state));
     }
 

@@ -117,6 +117,8 @@ impl Feed {
                 _tasks: tasks,
             });
         }
+        // The memory tier serves once the feed is up (caught up).
+        read_path.serve_from_memory(false);
         // Catch-ups and pruning take turns on one connection; the listener
         // has a pool of its own.
         let pool = db::connect_feed(database, 1).context("invalid DATABASE_URL")?;

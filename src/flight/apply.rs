@@ -9,6 +9,10 @@
 //! (kept in a set beside the fence) is skipped, so every instance may apply
 //! every change, in any order.
 //!
+//! The memory tier of the process that applies a change forgets the item
+//! (everything, for the cutoff) once Redis has it: every instance applies
+//! every change, so every instance forgets.
+//!
 //! Everything: a cutoff instant, kept in Redis and in each process; every
 //! entry read before it is judged no longer fresh (`freshness::judge`) and
 //! no fail-safe copy read before it is served. No key is scanned. The
@@ -32,7 +36,12 @@ impl<S: Source> ReadPath<S> {
         change: i64,
         kind: ChangeKind,
     ) -> Result<bool, RedisError> {
-        apply_change(&self.redis, &self.keys, &self.settings, key, change, kind).await
+        let applied =
+            apply_change(&self.redis, &self.keys, &self.settings, key, change, kind).await;
+        // After Redis (see memory.rs), whether this process applied the
+        // change, another did, or Redis failed.
+        self.memory.evict(key);
+        applied
     }
 
     /// The cutoff in force in this process, unix milliseconds (0: none).
@@ -45,7 +54,9 @@ impl<S: Source> ReadPath<S> {
     /// unless that change raised it already, and this process's follows.
     /// Returns the cutoff in force.
     pub async fn invalidate_all(&self, change: i64) -> Result<u64, RedisError> {
-        let cutoff = raise_cutoff(&self.redis, &self.keys, change).await?;
+        let cutoff = raise_cutoff(&self.redis, &self.keys, change).await;
+        self.memory.clear();
+        let cutoff = cutoff?;
         self.cutoff.fetch_max(cutoff, Ordering::Relaxed);
         Ok(cutoff)
     }

@@ -35,6 +35,7 @@ mod breaker;
 mod freshness;
 mod leader;
 mod local;
+mod memory;
 mod nodes;
 mod redis;
 mod refresh;
@@ -71,6 +72,7 @@ pub use waiter::{Hook, Hooks};
 
 use freshness::{judge, Verdict};
 use local::{Flights, Role, Unshared};
+use memory::MemoryTier;
 
 use crate::{
     cache::{now_millis, Entry, Keys, Status},
@@ -95,6 +97,8 @@ pub trait Source: Send + Sync + 'static {
 /// How an answer was produced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Served {
+    /// A fresh entry found in this process's memory tier.
+    Memory,
     /// A fresh entry found by the first GET.
     Hit,
     /// A stale entry: inside the grace window (refreshing in the background)
@@ -179,6 +183,8 @@ pub struct ReadPath<S: Source> {
     /// The cutoff in force here, unix milliseconds: every entry read before
     /// it is invalid (`invalidate --all`; see `apply.rs`). Only ever raised.
     cutoff: AtomicU64,
+    /// Fresh entries kept in this process (memory.rs).
+    memory: MemoryTier<S::Key>,
 }
 
 impl<S: Source> ReadPath<S> {
@@ -190,7 +196,13 @@ impl<S: Source> ReadPath<S> {
         settings: Settings,
     ) -> Arc<Self> {
         let tasks = TaskTracker::new();
+        let memory_bytes = if strategy::uses_memory(settings.strategy) {
+            settings.memory_bytes
+        } else {
+            0
+        };
         Arc::new(Self {
+            memory: MemoryTier::new(memory_bytes, settings.memory_ttl),
             source,
             keys,
             redis,
@@ -220,6 +232,18 @@ impl<S: Source> ReadPath<S> {
         &self.settings
     }
 
+    /// Serves from the memory tier (the change feed is up, or off), or not
+    /// (it is down: the tier is emptied).
+    pub fn serve_from_memory(&self, serving: bool) {
+        self.memory.serve(serving);
+    }
+
+    /// Whether the memory tier is on and serving, with its bytes and entries.
+    pub fn memory_usage(&self) -> (bool, u64, usize) {
+        let (bytes, entries) = self.memory.usage();
+        (self.memory.is_serving(), bytes, entries)
+    }
+
     /// Reads not yet answered.
     pub fn reads_in_progress(&self) -> usize {
         self.reads_in_progress.load(Ordering::Relaxed)
@@ -237,11 +261,26 @@ impl<S: Source> ReadPath<S> {
     async fn get(self: &Arc<Self>, key: S::Key) -> Result<Answer, ReadError> {
         let span = tracing::Span::current();
         let now = now_millis();
+        if let Some(answer) = self.from_memory(&key, now) {
+            span.record("role", "memory_hit");
+            return answer;
+        }
+        // Boxed: a memory hit's future stays small (see `get_from_redis`).
+        Box::pin(self.get_from_redis(key, now)).await
+    }
+
+    /// The rest of [`ReadPath::get`]: Redis, then this process's flight.
+    /// Every request's future is moved into a box of its own by the router:
+    /// what a memory hit never reaches is kept out of it.
+    async fn get_from_redis(self: &Arc<Self>, key: S::Key, now: u64) -> Result<Answer, ReadError> {
+        let span = tracing::Span::current();
         let grace = self.settings.stale_while_revalidate;
+        let ticket = self.memory.ticket(&key);
         let (verdict, redis_up) = self.look_up(&key, now, grace).await;
         match verdict {
             Verdict::Fresh(entry) => {
                 span.record("role", "hit");
+                self.memory.fill(&key, &entry, &ticket, now_millis());
                 self.maybe_refresh_early(&key, &entry, now);
                 return Answer::new(entry, Served::Hit);
             }
@@ -260,14 +299,56 @@ impl<S: Source> ReadPath<S> {
             }
             Verdict::Miss => {}
         }
-        self.in_flight(key, move |this, key| async move {
-            if redis_up {
-                this.coordinate(&key).await
-            } else {
-                this.bypass(&key).await
+        // Boxed too, for a hit in Redis.
+        Box::pin(self.in_flight(key, move |this, key| async move {
+            if !redis_up {
+                return this.bypass(&key).await;
             }
-        })
+            // Taken before anything of the flight is read (see memory.rs).
+            let ticket = this.memory.ticket(&key);
+            let outcome = this.coordinate(&key).await;
+            if let Ok(answer) = &outcome {
+                this.keep_in_memory(&key, answer, &ticket);
+            }
+            outcome
+        }))
         .await
+    }
+
+    /// A fresh answer from the memory tier, without awaiting anything: the
+    /// HTTP layer answers it before routing. `None` for anything else (the
+    /// full read then runs as usual).
+    pub fn memory_hit(self: &Arc<Self>, key: &S::Key) -> Option<Answer> {
+        if !self.memory.is_on() || !strategy::uses_memory(self.settings.strategy) {
+            return None;
+        }
+        self.from_memory(key, now_millis())?.ok()
+    }
+
+    /// A fresh entry of the memory tier (an early refresh started as for a
+    /// hit in Redis: the tier keeps no entry past its freshness).
+    fn from_memory(self: &Arc<Self>, key: &S::Key, now: u64) -> Option<Result<Answer, ReadError>> {
+        let entry = self.memory.get(key, now)?;
+        match judge(Some(entry), now, Duration::ZERO, self.cutoff()) {
+            Verdict::Fresh(entry) => {
+                self.maybe_refresh_early(key, &entry, now);
+                Some(Answer::new(entry, Served::Memory))
+            }
+            // Read before a cutoff raised since.
+            _ => None,
+        }
+    }
+
+    /// Keeps what a flight or a refresh read from Redis, from a ready
+    /// message or from the source as leader; not a bypass (Redis is failing,
+    /// and with it the change feed's applications) nor a stale copy.
+    fn keep_in_memory(&self, key: &S::Key, answer: &Answer, ticket: &memory::Ticket) {
+        if matches!(
+            answer.served,
+            Served::Miss | Served::CoalescedRemote | Served::Hit
+        ) {
+            self.memory.fill(key, &answer.entry, ticket, now_millis());
+        }
     }
 
     /// The first GET and its verdict, with whether Redis is worth trying
@@ -302,11 +383,14 @@ impl<S: Source> ReadPath<S> {
         let (role, outcome) = self
             .flights
             .run(key.clone(), self.settings.wait_timeout, move || {
-                fly(this, key).instrument(tracing::info_span!(
+                // The request's own span is at debug level: this one names the key.
+                let span = tracing::info_span!(
                     "flight",
+                    key = %key,
                     role = tracing::field::Empty,
                     load_ms = tracing::field::Empty
-                ))
+                );
+                fly(this, key).instrument(span)
             })
             .await;
         let outcome = outcome.unwrap_or_else(|error| {

@@ -84,11 +84,15 @@ impl<S: Source> ReadPath<S> {
                 let _refreshing = refreshing;
                 let keys = this.keys.item(&key);
                 let token = lock_token();
+                let ticket = this.memory.ticket(&key);
                 match this.try_lock(&keys, &token).await {
                     Ok(true) => {
                         let result = match this.lead(&key, &keys, &token, seen).await {
                             Led::Done(Err(_)) => "failed",
-                            Led::Done(Ok(_)) => "refreshed",
+                            Led::Done(Ok(answer)) => {
+                                this.keep_in_memory(&key, &answer, &ticket);
+                                "refreshed"
+                            }
                             // The next reader starts another refresh.
                             Led::Fenced(_) => "fenced",
                         };

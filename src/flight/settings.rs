@@ -41,6 +41,9 @@ pub struct Settings {
     pub max_stale: Duration,
     /// How long a failure is remembered (the backoff), fleet-wide (0 = off).
     pub failure_ttl: Duration,
+    /// The memory tier's byte budget (0 = off) and L1_TTL.
+    pub memory_bytes: u64,
+    pub memory_ttl: Duration,
     /// Observation points for tests and benchmarks.
     #[cfg(feature = "testkit")]
     pub hooks: Hooks,
@@ -80,6 +83,8 @@ impl Settings {
             early_refresh_beta: c.early_refresh_beta,
             max_stale: c.max_stale,
             failure_ttl: c.failure_ttl,
+            memory_bytes: c.l1_max_bytes,
+            memory_ttl: c.l1_ttl,
             #[cfg(feature = "testkit")]
             hooks: Hooks::default(),
         }

@@ -28,6 +28,15 @@ pub(super) fn wake(strategy: Strategy, poll_interval: Duration) -> Wake {
     }
 }
 
+/// Whether a strategy reads through the memory tier: the baselines that
+/// measure Redis alone (`none`, `naive`) do not.
+pub(super) fn uses_memory(strategy: Strategy) -> bool {
+    match strategy {
+        Strategy::Pubsub | Strategy::Poll | Strategy::Local => true,
+        Strategy::None | Strategy::Naive => false,
+    }
+}
+
 /// Counts a read as in progress until dropped (answered or cancelled).
 struct InProgress<'a>(&'a AtomicUsize);
 
@@ -52,6 +61,16 @@ impl<S: Source> ReadPath<S> {
         let _in_progress = InProgress::enter(&self.reads_in_progress);
         match self.settings.strategy {
             Strategy::Pubsub | Strategy::Poll => self.get(key).await,
+            // Boxed: the product's future does not grow by the baselines'.
+            baseline => Box::pin(self.baseline(baseline, key)).await,
+        }
+    }
+
+    /// The load lab's baselines.
+    async fn baseline(self: &Arc<Self>, strategy: Strategy, key: S::Key) -> Outcome {
+        match strategy {
+            // Not baselines: the product.
+            Strategy::Pubsub | Strategy::Poll => self.get(key).await,
             // Every request reads the source.
             Strategy::None => {
                 tracing::Span::current().record("role", "direct");
@@ -66,15 +85,30 @@ impl<S: Source> ReadPath<S> {
                 }
             },
             // Cache-aside, one load per key per process.
-            Strategy::Local => match self.baseline_look_up(&key).await {
-                Ok(answer) => answer,
-                Err(redis_up) => {
-                    self.in_flight(key, move |this, key| async move {
-                        this.cache_aside(&key, redis_up).await
-                    })
-                    .await
+            Strategy::Local => {
+                if let Some(answer) = self.from_memory(&key, now_millis()) {
+                    return answer;
                 }
-            },
+                let ticket = self.memory.ticket(&key);
+                match self.baseline_look_up(&key).await {
+                    Ok(answer) => {
+                        if let Ok(answer) = &answer {
+                            self.keep_in_memory(&key, answer, &ticket);
+                        }
+                        answer
+                    }
+                    Err(redis_up) => {
+                        self.in_flight(key, move |this, key| async move {
+                            let answer = this.cache_aside(&key, redis_up).await;
+                            if let Ok(answer) = &answer {
+                                this.keep_in_memory(&key, answer, &ticket);
+                            }
+                            answer
+                        })
+                        .await
+                    }
+                }
+            }
         }
     }
 

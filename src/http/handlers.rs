@@ -3,8 +3,10 @@
 use std::time::{Duration, Instant};
 
 use axum::{
-    extract::{rejection::PathRejection, Path, State},
-    http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode},
+    extract::{rejection::PathRejection, FromRequestParts, Path, State},
+    http::{
+        header, request::Parts, HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode,
+    },
     response::{IntoResponse, Response},
     Json,
 };
@@ -21,15 +23,64 @@ use crate::{
 const READINESS_TIMEOUT: Duration = Duration::from_secs(1);
 
 const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
+const X_CACHE_TIER: HeaderName = HeaderName::from_static("x-cache-tier");
 /// RFC 7234 warning codes, kept as the marker of stale answers.
 const WARNING_STALE: &str = "110 - \"Response is Stale\"";
 const WARNING_REVALIDATION_FAILED: &str = "111 - \"Revalidation Failed\"";
 
-/// `GET /posts/{id}`
-#[tracing::instrument(skip_all, fields(id, outcome, role, load_ms))]
+/// The `If-None-Match` values of a request: the only header a read looks
+/// at (taking them alone spares a copy of every header per request).
+pub struct IfNoneMatch(Vec<HeaderValue>);
+
+impl<S: Send + Sync> FromRequestParts<S> for IfNoneMatch {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self::from_headers(&parts.headers))
+    }
+}
+
+impl IfNoneMatch {
+    fn from_headers(headers: &HeaderMap) -> Self {
+        Self(
+            headers
+                .get_all(header::IF_NONE_MATCH)
+                .iter()
+                .cloned()
+                .collect(),
+        )
+    }
+}
+
+/// `GET /posts/{id}` when the memory tier holds the post, answered before
+/// routing: a memory hit awaits nothing and holds nothing, so the router,
+/// the request bounds (MAX_IN_FLIGHT, REQUEST_TIMEOUT) and the request's
+/// span are spared it. Anything else (another route, a method, an id that
+/// is not plain digits, a memory miss) is `None`, for the router.
+pub fn memory_hit<B>(state: &AppState, request: &Request<B>) -> Option<Response> {
+    if request.method() != Method::GET {
+        return None;
+    }
+    let id = PostId::parse(request.uri().path().strip_prefix("/posts/")?).ok()?;
+    let started = Instant::now();
+    let answer = state.read_path.memory_hit(&id.get())?;
+    let label = served::label(answer.served, answer.entry().status());
+    metrics::request(label, served::tier_label(answer.served), started.elapsed());
+    let validators = IfNoneMatch::from_headers(request.headers());
+    let grace = state.read_path.settings().stale_while_revalidate;
+    let response = respond(&answer, &validators, grace);
+    if response.status() == StatusCode::NOT_FOUND {
+        metrics::http_error(404);
+    }
+    Some(response)
+}
+
+/// `GET /posts/{id}`. Its span is at debug level: one per request costs
+/// the hit path more than the rest of the handler.
+#[tracing::instrument(level = "debug", skip_all, fields(id, outcome, role, load_ms))]
 pub async fn get_post(
     State(state): State<AppState>,
-    request_headers: HeaderMap,
+    validators: IfNoneMatch,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
@@ -40,27 +91,27 @@ pub async fn get_post(
         Ok(answer) => answer,
         Err(e) => {
             tracing::Span::current().record("outcome", e.to_string());
-            metrics::request("error", started.elapsed());
+            metrics::request("error", "none", started.elapsed());
             return Err(e.into());
         }
     };
     let label = served::label(answer.served, answer.entry().status());
     tracing::Span::current().record("outcome", label);
-    metrics::request(label, started.elapsed());
+    metrics::request(label, served::tier_label(answer.served), started.elapsed());
     let grace = state.read_path.settings().stale_while_revalidate;
-    Ok(respond(&answer, &request_headers, grace))
+    Ok(respond(&answer, &validators, grace))
 }
 
 /// The response for an entry: body or 404, with the HTTP caching headers
 /// (RFC 9111 / RFC 5861) and a 304 for a matching `If-None-Match`.
-fn respond(answer: &Answer, request_headers: &HeaderMap, grace: Duration) -> Response {
+fn respond(answer: &Answer, validators: &IfNoneMatch, grace: Duration) -> Response {
     let entry = answer.entry();
     let now = now_millis();
     let found = entry.status() == Status::Found;
     // An answer is found or not found, never a failure (`Answer::new`).
     let mut response = if !found {
         ApiError::PostNotFound.into_response()
-    } else if if_none_match(request_headers, entry) {
+    } else if if_none_match(validators, entry) {
         StatusCode::NOT_MODIFIED.into_response()
     } else {
         (
@@ -77,6 +128,9 @@ fn respond(answer: &Answer, request_headers: &HeaderMap, grace: Duration) -> Res
         X_CACHE,
         HeaderValue::from_static(served::header(answer.served)),
     );
+    if let Some(tier) = served::hit_tier(answer.served) {
+        headers.insert(X_CACHE_TIER, HeaderValue::from_static(tier));
+    }
     let max_age = entry.fresh_until().saturating_sub(now) / 1000;
     let cache_control = if grace.is_zero() {
         format!("public, max-age={max_age}")
@@ -115,10 +169,13 @@ fn etag(entry: &Entry) -> String {
 }
 
 /// Whether `If-None-Match` names this entry (weak comparison, RFC 9110 13.1.2).
-fn if_none_match(request_headers: &HeaderMap, entry: &Entry) -> bool {
+fn if_none_match(validators: &IfNoneMatch, entry: &Entry) -> bool {
+    if validators.0.is_empty() {
+        return false;
+    }
     let ours = etag(entry);
-    request_headers
-        .get_all(header::IF_NONE_MATCH)
+    validators
+        .0
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
@@ -176,6 +233,8 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 /// `GET /metrics`: Prometheus text format.
 pub async fn metrics(State(state): State<AppState>) -> Response {
     state.read_path.redis().report_breakers();
+    let (serving, bytes, entries) = state.read_path.memory_usage();
+    metrics::memory_tier(serving, bytes, entries);
     (
         [(
             header::CONTENT_TYPE,

@@ -41,6 +41,41 @@ pub struct Limits {
     pub request_timeout: Duration,
 }
 
+/// What answers each request: a memory hit of `GET /posts/{id}` at once
+/// ([`handlers::memory_hit`]), anything else through the router.
+#[derive(Clone)]
+pub struct Endpoint {
+    state: AppState,
+    router: Router,
+}
+
+impl Endpoint {
+    pub fn new(state: AppState, limits: Limits) -> Self {
+        Self {
+            router: app(state.clone(), limits),
+            state,
+        }
+    }
+
+    /// The answer to `request`; never an error (errors are responses).
+    pub fn answer(
+        &self,
+        request: axum::http::Request<hyper::body::Incoming>,
+    ) -> impl std::future::Future<Output = Result<Response, std::convert::Infallible>> + Send + 'static
+    {
+        use futures::future::{ready, Either};
+        use tower::ServiceExt;
+        match handlers::memory_hit(&self.state, &request) {
+            Some(response) => Either::Left(ready(Ok(response))),
+            None => Either::Right(
+                self.router
+                    .clone()
+                    .oneshot(request.map(axum::body::Body::new)),
+            ),
+        }
+    }
+}
+
 /// The router, without the listener: tests can drive it directly.
 pub fn app(state: AppState, limits: Limits) -> Router {
     Router::new()

@@ -1,12 +1,13 @@
-//! How an answer was served, as HTTP shows it: the `X-Cache` header and the
-//! `outcome` label of the request metrics.
+//! How an answer was served, as HTTP shows it: the `X-Cache` and
+//! `X-Cache-Tier` headers and the `outcome` and `tier` labels of the request
+//! metrics.
 
 use crate::{cache::Status, flight::Served};
 
 /// The `X-Cache` header value.
 pub fn header(served: Served) -> &'static str {
     match served {
-        Served::Hit => "hit",
+        Served::Memory | Served::Hit => "hit",
         Served::Stale => "stale",
         Served::Miss => "miss",
         Served::CoalescedLocal | Served::CoalescedRemote => "coalesced",
@@ -18,12 +19,59 @@ pub fn header(served: Served) -> &'static str {
 /// is a negative hit.
 pub fn label(served: Served, status: Status) -> &'static str {
     match (served, status) {
-        (Served::Hit, Status::NotFound) => "negative_hit",
-        (Served::Hit, _) => "hit",
+        (Served::Memory | Served::Hit, Status::NotFound) => "negative_hit",
+        (Served::Memory | Served::Hit, _) => "hit",
         (Served::Stale, _) => "stale",
         (Served::Miss, _) => "miss",
         (Served::CoalescedLocal, _) => "coalesced_local",
         (Served::CoalescedRemote, _) => "coalesced_remote",
         (Served::Bypass, _) => "bypass",
+    }
+}
+
+/// The `X-Cache-Tier` header of a hit: where it was found.
+pub fn hit_tier(served: Served) -> Option<&'static str> {
+    match served {
+        Served::Memory => Some("memory"),
+        Served::Hit => Some("redis"),
+        _ => None,
+    }
+}
+
+/// The `tier` label of the request metrics: the hit's tier, `redis` for a
+/// stale answer (a copy kept there), `none` for what a load answered.
+pub fn tier_label(served: Served) -> &'static str {
+    match served {
+        Served::Memory => "memory",
+        Served::Hit | Served::Stale => "redis",
+        Served::Miss | Served::CoalescedLocal | Served::CoalescedRemote | Served::Bypass => "none",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::metrics::REQUEST_LABELS;
+
+    /// The request series are registered up front: every pair an answer
+    /// can be counted under must be among them.
+    #[test]
+    fn every_outcome_and_tier_is_registered() {
+        let all = [
+            Served::Memory,
+            Served::Hit,
+            Served::Stale,
+            Served::Miss,
+            Served::CoalescedLocal,
+            Served::CoalescedRemote,
+            Served::Bypass,
+        ];
+        for served in all {
+            for status in [Status::Found, Status::NotFound] {
+                let pair = (label(served, status), tier_label(served));
+                assert!(REQUEST_LABELS.contains(&pair), "{pair:?}");
+            }
+        }
+        assert!(REQUEST_LABELS.contains(&("error", "none")));
     }
 }

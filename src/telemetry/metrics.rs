@@ -56,6 +56,13 @@ pub const CHANGE_LAG: &str = "postcache_change_lag_seconds";
 /// Times the change feed lost its connection and caught up from the outbox.
 pub const FEED_RECONNECTS: &str = "postcache_change_feed_reconnects_total";
 
+/// The memory tier: bytes kept (envelopes plus a fixed overhead per entry,
+/// the measure L1_MAX_BYTES bounds), entries, and whether it serves (0 while
+/// the change feed is down, or when it is off); set when rendered.
+pub const MEMORY_BYTES: &str = "postcache_memory_tier_bytes";
+pub const MEMORY_ENTRIES: &str = "postcache_memory_tier_entries";
+pub const MEMORY_SERVING: &str = "postcache_memory_tier_serving";
+
 /// Client connections open.
 pub const CONNECTIONS_OPEN: &str = "postcache_connections_open";
 /// Connections refused (answered 503 and closed) past MAX_CONNECTIONS.
@@ -110,6 +117,7 @@ pub fn install() -> PrometheusHandle {
             // this handle renders nothing, which is better than failing.
             let _ = ::metrics::set_global_recorder(recorder);
             describe();
+            let _ = REQUEST_SERIES.set(request_series());
             handle
         })
         .clone()
@@ -151,6 +159,16 @@ fn describe() {
     describe_counter!(GARBAGE, "Undecodable cache entries or ready messages met.");
     describe_counter!(REFRESHES, "Background refreshes by result.");
     describe_gauge!(CONNECTIONS_OPEN, "Client connections open.");
+    describe_gauge!(
+        MEMORY_BYTES,
+        Unit::Bytes,
+        "Bytes kept by the memory tier (envelopes plus a fixed overhead per entry)."
+    );
+    describe_gauge!(MEMORY_ENTRIES, "Entries kept by the memory tier.");
+    describe_gauge!(
+        MEMORY_SERVING,
+        "Whether the memory tier serves (1) or not (0: off, or the change feed is down)."
+    );
     describe_counter!(
         FENCED,
         "Leader finishes that stored nothing: a change was applied during the load."
@@ -179,10 +197,66 @@ fn describe() {
     );
 }
 
+/// The request series of one (outcome, tier), registered once: a hit then
+/// costs no registry lookup.
+struct RequestSeries {
+    outcome: &'static str,
+    tier: &'static str,
+    count: ::metrics::Counter,
+    duration: ::metrics::Histogram,
+}
+
+/// Every (outcome, tier) a request can end with (see `http/served.rs`).
+pub(crate) const REQUEST_LABELS: &[(&str, &str)] = &[
+    ("hit", "memory"),
+    ("negative_hit", "memory"),
+    ("hit", "redis"),
+    ("negative_hit", "redis"),
+    ("stale", "redis"),
+    ("miss", "none"),
+    ("coalesced_local", "none"),
+    ("coalesced_remote", "none"),
+    ("bypass", "none"),
+    ("error", "none"),
+];
+
+static REQUEST_SERIES: OnceLock<Vec<RequestSeries>> = OnceLock::new();
+
+fn request_series() -> Vec<RequestSeries> {
+    REQUEST_LABELS
+        .iter()
+        .map(|&(outcome, tier)| RequestSeries {
+            outcome,
+            tier,
+            count: counter!(REQUESTS, "outcome" => outcome, "tier" => tier),
+            duration: histogram!(REQUEST_DURATION, "outcome" => outcome, "tier" => tier),
+        })
+        .collect()
+}
+
 /// One answered `GET /posts/{id}`.
-pub fn request(outcome: &'static str, took: Duration) {
-    counter!(REQUESTS, "outcome" => outcome).increment(1);
-    histogram!(REQUEST_DURATION, "outcome" => outcome).record(took.as_secs_f64());
+pub fn request(outcome: &'static str, tier: &'static str, took: Duration) {
+    let registered = REQUEST_SERIES
+        .get()
+        .and_then(|all| all.iter().find(|s| s.outcome == outcome && s.tier == tier));
+    match registered {
+        Some(series) => {
+            series.count.increment(1);
+            series.duration.record(took.as_secs_f64());
+        }
+        // Before `install`, or a pair not listed.
+        None => {
+            counter!(REQUESTS, "outcome" => outcome, "tier" => tier).increment(1);
+            histogram!(REQUEST_DURATION, "outcome" => outcome, "tier" => tier)
+                .record(took.as_secs_f64());
+        }
+    }
+}
+
+pub fn memory_tier(serving: bool, bytes: u64, entries: usize) {
+    gauge!(MEMORY_SERVING).set(if serving { 1.0 } else { 0.0 });
+    gauge!(MEMORY_BYTES).set(bytes as f64);
+    gauge!(MEMORY_ENTRIES).set(entries as f64);
 }
 
 pub fn http_error(status: u16) {

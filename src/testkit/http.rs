@@ -28,6 +28,13 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// `X-Cache-Tier`: where a hit was found (`memory`, `redis`).
+    pub fn tier(&self) -> Option<&str> {
+        self.headers
+            .get("x-cache-tier")
+            .and_then(|v| v.to_str().ok())
+    }
+
     #[track_caller]
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body)

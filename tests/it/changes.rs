@@ -46,12 +46,18 @@ async fn until_everywhere(apps: &[TestApp], id: i64, wanted: &str) -> Duration {
     started.elapsed()
 }
 
-/// Every instance caches post `id` (a miss, then a hit).
+/// Every instance caches post `id`, in its memory tier too (a miss or a
+/// hit in Redis, then a hit in memory), unless `--l1-max-bytes 0`.
 async fn warm(apps: &[TestApp], id: i64) {
     for app in apps {
         app.get(&format!("/posts/{id}")).await;
         let again = app.get(&format!("/posts/{id}")).await;
         assert_eq!(again.x_cache.as_deref(), Some("hit"));
+        assert!(
+            matches!(again.tier(), Some("memory" | "redis")),
+            "{:?}",
+            again.headers
+        );
     }
 }
 
@@ -274,7 +280,9 @@ async fn with_stale_while_revalidate_a_changed_post_is_served_stale_while_it_rel
 async fn invalidate_by_id_or_all_applies_what_a_change_would() {
     let env = TestEnv::new(10).await;
     let on = env.spawn(&[]).await;
-    let off = env.spawn(&["--change-feed", "off"]).await;
+    // Without a feed, an invalidation by id reaches the memory tier only
+    // through L1_TTL, its bound.
+    let off = env.spawn(&["--change-feed", "off", "--l1-ttl", "1s"]).await;
     let apps = [on, off];
     assert_eq!(apps[1].get("/readyz").await.json()["change_feed"], "off");
     for id in [3, 4, 5] {
@@ -304,11 +312,9 @@ async fn invalidate_by_id_or_all_applies_what_a_change_would() {
         panic!("{by_id:?}")
     };
     assert_eq!(posts.len(), 1);
+    // Redis at once; the memory tiers through the feeds, within milliseconds.
+    until_everywhere(&apps, 3, "behind the feed's back").await;
     for app in &apps {
-        assert_eq!(
-            title(app, 3).await.as_deref(),
-            Some("behind the feed's back")
-        );
         assert_ne!(
             title(app, 4).await.as_deref(),
             Some("behind the feed's back")
@@ -396,9 +402,17 @@ async fn a_change_that_commits_after_a_later_numbered_one_is_still_applied() {
         .await
         .unwrap();
     invalidate::run(&env.invalidate_args(&["5"])).await.unwrap();
-    // A reader loads the row as it was before the update, and caches it.
-    let before = app.get("/posts/5").await;
-    assert_eq!(before.x_cache.as_deref(), Some("miss"));
+    // A reader loads the row as it was before the update, and caches it
+    // (once the instance's feed has evicted its memory tier: milliseconds).
+    let mut before = None;
+    wait_until("the memory tier to be evicted", A_WHILE, async || {
+        let reply = app.get("/posts/5").await;
+        let miss = reply.x_cache.as_deref() == Some("miss");
+        before = Some(reply);
+        miss
+    })
+    .await;
+    let before = before.unwrap();
     assert_ne!(before.json()["title"], "committed last");
     slow.commit().await.unwrap();
 

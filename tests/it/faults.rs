@@ -70,7 +70,9 @@ async fn when_redis_dies_mid_traffic_requests_fail_open_and_pubsub_resumes_after
     );
 
     redis.kill();
-    let down = statuses(&apps[0], 1..=8).await;
+    // What the memory tier holds is still served; the rest bypasses Redis.
+    let kept = apps[0].get("/posts/1").await;
+    let down = statuses(&apps[0], 2..=9).await;
     redis.restart().await;
     for app in &apps {
         resumed(app, "/posts/20").await;
@@ -89,6 +91,7 @@ async fn when_redis_dies_mid_traffic_requests_fail_open_and_pubsub_resumes_after
         })
         .collect();
 
+    assert_eq!((kept.status, kept.tier()), (200, Some("memory")));
     assert!(
         down.iter()
             .all(|(s, x, t)| *s == 200 && x == "bypass" && *t < Duration::from_secs(1)),

@@ -11,6 +11,7 @@ mod faults;
 mod freshness;
 mod guarantees;
 mod harness;
+mod memory;
 mod processes;
 mod restarts;
 mod scenarios;

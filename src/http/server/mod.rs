@@ -19,7 +19,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use axum::{body::Body, Router};
 use bytes::Bytes;
 use hyper::{body::Incoming, server::conn::http1, Request};
 use hyper_util::rt::TokioIo;
@@ -29,10 +28,9 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tower::ServiceExt;
 
 use self::deadline::{Deadline, Drain, Watched};
-use super::ApiError;
+use super::{ApiError, Endpoint};
 use crate::telemetry::metrics;
 
 /// Refused connections lingering at once to hand over their 503 (past it, a
@@ -59,12 +57,12 @@ pub struct ConnectionLimits {
     pub max_connections: usize,
 }
 
-/// Serves `router` on `listener` until `shutdown` completes; then stops
+/// Serves `endpoint` on `listener` until `shutdown` completes; then stops
 /// accepting, closes idle connections at once, lets requests in flight be
 /// answered, and returns once every connection is closed.
 pub async fn serve(
     listener: TcpListener,
-    router: Router,
+    endpoint: Endpoint,
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -92,7 +90,7 @@ pub async fn serve(
             Ok(slot) => {
                 tasks.spawn(connection(
                     stream,
-                    router.clone(),
+                    endpoint.clone(),
                     limits,
                     stopping.clone(),
                     Slot::new(slot),
@@ -111,7 +109,7 @@ pub async fn serve(
 /// shutdown closes it.
 async fn connection(
     stream: TcpStream,
-    router: Router,
+    endpoint: Endpoint,
     limits: ConnectionLimits,
     stopping: CancellationToken,
     _slot: Slot,
@@ -124,7 +122,7 @@ async fn connection(
         let deadline = deadline.clone();
         move |request: Request<Incoming>| {
             let busy = deadline.begin_request();
-            let answer = router.clone().oneshot(request.map(Body::new));
+            let answer = endpoint.answer(request);
             async move {
                 let answer = answer.await;
                 drop(busy);
