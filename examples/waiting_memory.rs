@@ -7,12 +7,16 @@
 //! Starts the release binary (`target/release/postcache`, or POSTCACHE_BIN),
 //! holds the leader's load back with a table lock, opens N concurrent requests
 //! for one cold post, and reads the process's resident memory (VmRSS) before,
-//! while all N wait, and after they are answered.
+//! while all N wait, after they are answered, and 20 s later (what the
+//! allocator has given back).
 
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use postcache::testkit::{wait_until, TableLock, TestEnv};
+
+/// How long after the burst the memory is read again.
+const RETURN_WAIT: u64 = 20;
 
 #[tokio::main]
 async fn main() {
@@ -57,12 +61,17 @@ async fn main() {
         .filter(|r| r.as_ref().is_ok_and(|(reply, _)| reply.status == 200))
         .count();
     let after = service.resident_mib();
+    // The allocator hands freed pages back to the system after a delay
+    // (jemalloc: about ten seconds of decay).
+    tokio::time::sleep(Duration::from_secs(RETURN_WAIT)).await;
+    let later = service.resident_mib();
 
     println!("| instance state | resident memory (MiB) |");
     println!("|---|---|");
     println!("| idle, warmed | {idle:.1} |");
     println!("| {n} requests waiting on one load | {waiting:.1} |");
     println!("| after all were answered | {after:.1} |");
+    println!("| {RETURN_WAIT} s later | {later:.1} |");
     println!();
     println!(
         "{:.1} KiB per waiting request (connection, HTTP state, task); {n} arrived in {:.1} s; {ok}/{n} answered 200",

@@ -102,12 +102,12 @@ impl Application {
             read_path.clone(),
         )
         .await?;
-        let state = AppState {
+        let state = AppState::new(http::Shared {
             read_path,
             db: pool,
             metrics,
             feed: feed.status(),
-        };
+        });
         let limits = Limits {
             max_in_flight: args.max_in_flight,
             request_timeout: args.request_timeout,

@@ -266,7 +266,8 @@ impl RedisCommands {
             self.timed(sent).await
         };
         match result {
-            Err(RedisError::Command(e)) if is_moved(&e) => self.redirected(command).await,
+            // Boxed: rare, and it would double the size of every command's future.
+            Err(RedisError::Command(e)) if is_moved(&e) => Box::pin(self.redirected(command)).await,
             result => result,
         }
     }

@@ -22,9 +22,26 @@ pub use server::{connection_cap, serve, ConnectionLimits};
 
 use crate::{changes::FeedStatus, flight::ReadPath, posts::PostStore, telemetry::metrics};
 
-/// What every handler can reach.
+/// What every handler can reach; cloned per request (one reference count).
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Shared>);
+
+impl AppState {
+    pub fn new(shared: Shared) -> Self {
+        Self(Arc::new(shared))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+/// The parts of [`AppState`].
+pub struct Shared {
     pub read_path: Arc<ReadPath<PostStore>>,
     pub db: sqlx::PgPool,
     pub metrics: PrometheusHandle,

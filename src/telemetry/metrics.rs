@@ -294,7 +294,15 @@ pub fn flights(delta: f64) {
 }
 
 pub fn reads(delta: f64) {
-    gauge!(READS).increment(delta);
+    static READS_GAUGE: OnceLock<::metrics::Gauge> = OnceLock::new();
+    // Registered once, after `install` (before it, each call looks it up).
+    match READS_GAUGE.get() {
+        Some(gauge) => gauge.increment(delta),
+        None if HANDLE.get().is_some() => {
+            READS_GAUGE.get_or_init(|| gauge!(READS)).increment(delta)
+        }
+        None => gauge!(READS).increment(delta),
+    }
 }
 
 pub fn garbage(kind: &'static str) {

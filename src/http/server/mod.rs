@@ -133,6 +133,10 @@ async fn connection(
     // hyper's own header timeout is off: see `deadline`.
     let conn = http1::Builder::new()
         .header_read_timeout(None)
+        // Answers are small: copied into one buffer and written with one
+        // plain write, they beat a vectored write of head and body (A/B on
+        // memory hits: 176.7k against 170.4k requests/s).
+        .writev(false)
         .serve_connection(io, service);
     tokio::pin!(conn);
     let mut draining = false;
