@@ -34,8 +34,6 @@ pub enum ApiError {
     TooManyConnections,
     #[error("the request took too long")]
     RequestTimeout,
-    #[error("internal error")]
-    Internal,
 }
 
 impl ApiError {
@@ -49,19 +47,6 @@ impl ApiError {
             | ApiError::TooManyConnections
             | ApiError::RequestTimeout => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::WaitTimeout => StatusCode::GATEWAY_TIMEOUT,
-            ApiError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-        }
-    }
-
-    /// Maps an error of the tower layers (load shedding, timeout).
-    pub fn from_layer(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Self {
-        if error.is::<tower::load_shed::error::Overloaded>() {
-            ApiError::Overloaded
-        } else if error.is::<tower::timeout::error::Elapsed>() {
-            ApiError::RequestTimeout
-        } else {
-            tracing::error!(%error, "unexpected middleware error");
-            ApiError::Internal
         }
     }
 }

@@ -41,7 +41,7 @@ impl<S: Send + Sync> FromRequestParts<S> for IfNoneMatch {
 }
 
 impl IfNoneMatch {
-    fn from_headers(headers: &HeaderMap) -> Self {
+    pub fn from_headers(headers: &HeaderMap) -> Self {
         Self(
             headers
                 .get_all(header::IF_NONE_MATCH)
@@ -58,48 +58,55 @@ impl IfNoneMatch {
 /// span are spared it. Anything else (another route, a method, an id that
 /// is not plain digits, a memory miss) is `None`, for the router.
 pub fn memory_hit<B>(state: &AppState, request: &Request<B>) -> Option<Response> {
-    if request.method() != Method::GET {
-        return None;
-    }
-    let id = PostId::parse(request.uri().path().strip_prefix("/posts/")?).ok()?;
+    let id = post_read(request)?;
     let started = Instant::now();
     let answer = state.read_path.memory_hit(&id.get())?;
     let label = served::label(answer.served, answer.entry().status());
     metrics::request(label, served::tier_label(answer.served), started.elapsed());
     let validators = IfNoneMatch::from_headers(request.headers());
     let grace = state.read_path.settings().stale_while_revalidate;
-    let response = respond(&answer, &validators, grace);
-    if response.status() == StatusCode::NOT_FOUND {
-        metrics::http_error(404);
-    }
-    Some(response)
+    Some(respond(&answer, &validators, grace))
 }
 
-/// `GET /posts/{id}`. Its span is at debug level: one per request costs
-/// the hit path more than the rest of the handler.
-#[tracing::instrument(level = "debug", skip_all, fields(id, outcome, role, load_ms))]
+/// The post id of a `GET /posts/{digits}`, read past the router (see
+/// `Endpoint`); `None` for anything else, for the router (another route, a
+/// method, a percent-encoded or invalid id: the router's answer, or error).
+pub fn post_read<B>(request: &Request<B>) -> Option<PostId> {
+    if request.method() != Method::GET {
+        return None;
+    }
+    PostId::parse(request.uri().path().strip_prefix("/posts/")?).ok()
+}
+
+/// `GET /posts/{id}` through the router: a HEAD, or an id to decode first.
 pub async fn get_post(
     State(state): State<AppState>,
     validators: IfNoneMatch,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    let started = Instant::now();
     let Path(segment) = path.map_err(|_| ApiError::InvalidPath)?;
     let id = PostId::parse(&segment)?;
-    tracing::Span::current().record("id", id.get());
+    Ok(read_post(&state, id, validators).await)
+}
+
+/// Reads post `id` and answers it, or its error. Its span is at debug
+/// level: one per request costs the hit path more than the rest of it.
+#[tracing::instrument(name = "get_post", level = "debug", skip_all, fields(id = id.get(), outcome, role, load_ms))]
+pub async fn read_post(state: &AppState, id: PostId, validators: IfNoneMatch) -> Response {
+    let started = Instant::now();
     let answer = match state.read_path.read(id.get()).await {
         Ok(answer) => answer,
         Err(e) => {
             tracing::Span::current().record("outcome", e.to_string());
             metrics::request("error", "none", started.elapsed());
-            return Err(e.into());
+            return ApiError::from(e).into_response();
         }
     };
     let label = served::label(answer.served, answer.entry().status());
     tracing::Span::current().record("outcome", label);
     metrics::request(label, served::tier_label(answer.served), started.elapsed());
     let grace = state.read_path.settings().stale_while_revalidate;
-    Ok(respond(&answer, &validators, grace))
+    respond(&answer, &validators, grace)
 }
 
 /// The response for an entry: body or 404, with the HTTP caching headers

@@ -281,6 +281,32 @@ async fn past_the_concurrency_limit_requests_get_a_fast_503() {
         .all(|r| r.unwrap().0.status == 200));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_past_request_timeout_gets_503_and_its_load_still_lands() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&[PATIENT, &["--request-timeout", "300ms"]].concat())
+        .await;
+    let lock = TableLock::take(&env).await;
+
+    let started = Instant::now();
+    let late = app.get("/posts/6").await;
+    let took = started.elapsed();
+    lock.release().await;
+
+    assert_eq!(late.status, 503, "{}", late.text());
+    assert_eq!(late.error(), "the request took too long");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    // The flight was not the request's: it finished and stored the post.
+    wait_until("the load to land", Duration::from_secs(10), async || {
+        app.get("/posts/6").await.x_cache.as_deref() == Some("hit")
+    })
+    .await;
+}
+
 /// Sends a raw HTTP/1.1 request and returns the status code (0 if the
 /// server closed the connection without one); fails the test if no answer
 /// comes within 10 s.
