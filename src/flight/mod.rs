@@ -3,7 +3,10 @@
 //! fail-safe). Generic over what it loads: it knows nothing of posts.
 //!
 //! ```text
-//! get(key) ── GET value ── judge ──Fresh──► Hit (maybe an early refresh: refresh.rs)
+//! get(key) ── memory tier (memory.rs) ──fresh──► Memory hit (maybe an early refresh)
+//!    │ not there
+//!    ▼
+//! GET value ── judge ──Fresh──► Hit (maybe an early refresh: refresh.rs)
 //!                            │ Backoff ─► Stale   StaleInGrace ─► Stale + one refresh
 //!                            │ Failed ──► 503 at once
 //!                            │ Miss               │ redis error or breaker open
@@ -21,7 +24,8 @@
 //! Every Redis failure fails open: the flight loads straight from the source
 //! (`Bypass`), still one load per key per process at a time.
 //!
-//! Files by role: `freshness.rs` (pure verdicts and the store policy),
+//! Files by role: `memory.rs` (the in-process memory tier and its fencing
+//! against evictions), `freshness.rs` (pure verdicts and the store policy),
 //! `leader.rs`, `waiter.rs`, `refresh.rs`, `local.rs` (in-process flights),
 //! `subscriber/` (the shared subscriber), `redis.rs` (the commands),
 //! `scripts.rs` (the Lua scripts, loaded on every connection), `apply.rs`
@@ -319,7 +323,8 @@ impl<S: Source> ReadPath<S> {
     /// HTTP layer answers it before routing. `None` for anything else (the
     /// full read then runs as usual).
     pub fn memory_hit(self: &Arc<Self>, key: &S::Key) -> Option<Answer> {
-        if !self.memory.is_on() || !strategy::uses_memory(self.settings.strategy) {
+        // Off (0 bytes) for the strategies that bypass it.
+        if !self.memory.is_on() {
             return None;
         }
         self.from_memory(key, now_millis())?.ok()

@@ -53,10 +53,10 @@ impl IfNoneMatch {
 }
 
 /// `GET /posts/{id}` when the memory tier holds the post, answered before
-/// routing: a memory hit awaits nothing and holds nothing, so the router,
-/// the request bounds (MAX_IN_FLIGHT, REQUEST_TIMEOUT) and the request's
-/// span are spared it. Anything else (another route, a method, an id that
-/// is not plain digits, a memory miss) is `None`, for the router.
+/// anything else: a memory hit awaits nothing and holds nothing, so the
+/// request bounds (MAX_IN_FLIGHT, REQUEST_TIMEOUT) and the request's span
+/// are spared it. Anything else (another route, a method, an id that is not
+/// plain digits, a memory miss) is `None`, for the full read or the router.
 pub fn memory_hit<B>(state: &AppState, request: &Request<B>) -> Option<Response> {
     let id = post_read(request)?;
     let started = Instant::now();
