@@ -61,11 +61,8 @@ pub fn memory_hit<B>(state: &AppState, request: &Request<B>) -> Option<Response>
     let id = post_read(request)?;
     let started = Instant::now();
     let answer = state.read_path.memory_hit(&id.get())?;
-    let label = served::label(answer.served, answer.entry().status());
-    metrics::request(label, served::tier_label(answer.served), started.elapsed());
     let validators = IfNoneMatch::from_headers(request.headers());
-    let grace = state.read_path.settings().stale_while_revalidate;
-    Some(respond(&answer, &validators, grace))
+    Some(counted(state, &answer, &validators, started))
 }
 
 /// The post id of a `GET /posts/{digits}`, read past the router (see
@@ -102,11 +99,21 @@ pub async fn read_post(state: &AppState, id: PostId, validators: IfNoneMatch) ->
             return ApiError::from(e).into_response();
         }
     };
+    counted(state, &answer, &validators, started)
+}
+
+/// The response to an answer, counted in the request metrics (and its span).
+fn counted(
+    state: &AppState,
+    answer: &Answer,
+    validators: &IfNoneMatch,
+    started: Instant,
+) -> Response {
     let label = served::label(answer.served, answer.entry().status());
     tracing::Span::current().record("outcome", label);
     metrics::request(label, served::tier_label(answer.served), started.elapsed());
     let grace = state.read_path.settings().stale_while_revalidate;
-    respond(&answer, &validators, grace)
+    respond(answer, validators, grace)
 }
 
 /// The response for an entry: body or 404, with the HTTP caching headers
