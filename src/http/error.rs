@@ -5,9 +5,8 @@ use axum::{
     response::{IntoResponse, Response},
     Json,
 };
-use serde_json::json;
 
-use super::id::InvalidId;
+use super::{id::InvalidId, openapi::ErrorBody};
 use crate::flight::ReadError;
 
 /// Every error a client can see. Bodies are `{"error": "..."}`; 5xx bodies
@@ -64,7 +63,9 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (
             self.status_code(),
-            Json(json!({ "error": self.to_string() })),
+            Json(ErrorBody {
+                error: self.to_string(),
+            }),
         )
             .into_response();
         if let ApiError::MethodNotAllowed = self {

@@ -10,12 +10,14 @@ use axum::{
     response::{IntoResponse, Response},
     Json,
 };
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
-use super::{error::ApiError, id::PostId, served, AppState};
+use super::{error::ApiError, id::PostId, openapi::ErrorBody, served, AppState};
 use crate::{
     cache::{now_millis, Entry, Status},
     flight::{Answer, Served},
+    posts::Post,
     telemetry::metrics,
 };
 
@@ -25,8 +27,8 @@ const READINESS_TIMEOUT: Duration = Duration::from_secs(1);
 const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
 const X_CACHE_TIER: HeaderName = HeaderName::from_static("x-cache-tier");
 /// RFC 7234 warning codes, kept as the marker of stale answers.
-const WARNING_STALE: &str = "110 - \"Response is Stale\"";
-const WARNING_REVALIDATION_FAILED: &str = "111 - \"Revalidation Failed\"";
+pub const WARNING_STALE: &str = "110 - \"Response is Stale\"";
+pub const WARNING_REVALIDATION_FAILED: &str = "111 - \"Revalidation Failed\"";
 
 /// The `If-None-Match` values of a request: the only header a read looks
 /// at (taking them alone spares a copy of every header per request).
@@ -76,6 +78,27 @@ pub fn post_read<B>(request: &Request<B>) -> Option<PostId> {
 }
 
 /// `GET /posts/{id}` through the router: a HEAD, or an id to decode first.
+/// (Its annotation documents every read: those past the router answer the
+/// same, through [`read_post`].)
+#[utoipa::path(
+    get,
+    path = "/posts/{id}",
+    tag = "posts",
+    params(
+        ("id" = i64, Path, minimum = 1, maximum = 9223372036854775807_i64, example = 1,
+         description = "The post's id: a decimal integer in 1..=9223372036854775807, digits only"),
+        ("If-None-Match" = Option<String>, Header,
+         description = "ETags of copies the client holds (or `*`): a match is answered 304"),
+    ),
+    responses(
+        (status = 200, description = "The post", body = Post),
+        (status = 304, description = "Not modified: the post's ETag is among If-None-Match's"),
+        (status = 400, description = "Invalid id (also `GET /posts/`, an empty id)", body = ErrorBody),
+        (status = 404, description = "No such post (cached as such for NEGATIVE_TTL)", body = ErrorBody),
+        (status = 503, description = "The backend failed (PostgreSQL, with no fail-safe copy), or overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS), or past REQUEST_TIMEOUT", body = ErrorBody),
+        (status = 504, description = "Waited WAIT_TIMEOUT for another request's load", body = ErrorBody),
+    )
+)]
 pub async fn get_post(
     State(state): State<AppState>,
     validators: IfNoneMatch,
@@ -118,7 +141,7 @@ fn counted(
 
 /// The response for an entry: body or 404, with the HTTP caching headers
 /// (RFC 9111 / RFC 5861) and a 304 for a matching `If-None-Match`.
-fn respond(answer: &Answer, validators: &IfNoneMatch, grace: Duration) -> Response {
+pub(super) fn respond(answer: &Answer, validators: &IfNoneMatch, grace: Duration) -> Response {
     let entry = answer.entry();
     let now = now_millis();
     let found = entry.status() == Status::Found;
@@ -197,20 +220,65 @@ fn if_none_match(validators: &IfNoneMatch, entry: &Entry) -> bool {
         .any(|tag| tag == "*" || tag.trim_start_matches("W/") == ours)
 }
 
-/// `GET /posts/`
+/// `GET /posts/`: an empty id, a bad request rather than an unknown route
+/// (documented with `GET /posts/{id}`, whose id is empty here).
 pub async fn empty_id() -> ApiError {
     ApiError::InvalidId(super::id::InvalidId::Empty)
 }
 
+/// The body of `GET /healthz`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    /// Always `ok`: the process answers.
+    #[schema(value_type = String, pattern = "^ok$")]
+    status: &'static str,
+}
+
 /// `GET /healthz`: the process is alive.
-pub async fn healthz() -> Json<serde_json::Value> {
-    Json(json!({ "status": "ok" }))
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "operations",
+    responses(
+        (status = 200, description = "The process is alive", body = Health),
+        (status = 503, description = "Overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS) or past REQUEST_TIMEOUT", body = ErrorBody),
+    )
+)]
+pub async fn healthz() -> Json<Health> {
+    Json(Health { status: "ok" })
+}
+
+/// The body of `GET /readyz`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Readiness {
+    /// `ready` when PostgreSQL and Redis both answer, else `unavailable`.
+    #[schema(value_type = String, pattern = "^(ready|unavailable)$")]
+    status: &'static str,
+    /// `up` or `down`.
+    #[schema(value_type = String, pattern = "^(up|down)$")]
+    postgres: &'static str,
+    /// `up`, `down`, or `circuit_open` (up, but still bypassed until a
+    /// probe succeeds).
+    #[schema(value_type = String, pattern = "^(up|down|circuit_open)$")]
+    redis: &'static str,
+    /// `up`, `down` or `off` (CHANGE_FEED=off); does not decide readiness.
+    #[schema(value_type = String, pattern = "^(up|down|off)$")]
+    change_feed: &'static str,
 }
 
 /// `GET /readyz`: PostgreSQL and Redis both answer (`"redis": "circuit_open"`
 /// while the breaker still bypasses a Redis that answers again). The change
 /// feed is reported (`up`, `down`, `off`) but does not decide: an instance
 /// whose feed is down still serves, with freshness from the TTLs.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    responses(
+        (status = 200, description = "PostgreSQL and Redis answer", body = Readiness),
+        (status = 503, description = "PostgreSQL or Redis does not answer (or overloaded, or past REQUEST_TIMEOUT: then the body is an error)", body = Readiness),
+    )
+)]
 pub async fn readyz(State(state): State<AppState>) -> Response {
     let postgres = tokio::time::timeout(
         READINESS_TIMEOUT,
@@ -227,24 +295,34 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (
-        status,
-        Json(json!({
-            "status": if status == StatusCode::OK { "ready" } else { "unavailable" },
-            "postgres": word(postgres_up),
-            // Up but bypassed: the service fails open until a probe succeeds.
-            "redis": if redis_up && !state.read_path.redis().breaker_closed() {
-                "circuit_open"
-            } else {
-                word(redis_up)
-            },
-            "change_feed": state.feed.get().as_str(),
-        })),
-    )
-        .into_response()
+    let readiness = Readiness {
+        status: if status == StatusCode::OK {
+            "ready"
+        } else {
+            "unavailable"
+        },
+        postgres: word(postgres_up),
+        // Up but bypassed: the service fails open until a probe succeeds.
+        redis: if redis_up && !state.read_path.redis().breaker_closed() {
+            "circuit_open"
+        } else {
+            word(redis_up)
+        },
+        change_feed: state.feed.get().as_str(),
+    };
+    (status, Json(readiness)).into_response()
 }
 
 /// `GET /metrics`: Prometheus text format.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses(
+        (status = 200, description = "The metrics, in Prometheus' text format", content_type = "text/plain", body = String),
+        (status = 503, description = "Overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS) or past REQUEST_TIMEOUT", body = ErrorBody),
+    )
+)]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     state.read_path.redis().report_breakers();
     let (serving, bytes, entries) = state.read_path.memory_usage();

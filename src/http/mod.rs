@@ -5,6 +5,7 @@
 mod error;
 mod handlers;
 mod id;
+pub mod openapi;
 mod served;
 mod server;
 
@@ -127,14 +128,12 @@ impl Endpoint {
 }
 
 /// The routes, without the bounds (see [`Endpoint`]).
+/// Each route is registered with its documentation (see [`openapi`]).
 pub fn app(state: AppState) -> Router {
-    Router::new()
-        .route("/posts/{id}", get(handlers::get_post))
+    let (router, _) = openapi::routes().split_for_parts();
+    router
         // `/posts/` (an empty id) is a bad id, not an unknown route.
         .route("/posts/", get(handlers::empty_id))
-        .route("/healthz", get(handlers::healthz))
-        .route("/readyz", get(handlers::readyz))
-        .route("/metrics", get(handlers::metrics))
         .fallback(handlers::not_found)
         .method_not_allowed_fallback(handlers::method_not_allowed)
         .with_state(state)

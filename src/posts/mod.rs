@@ -5,14 +5,17 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 
 /// One row of `posts`, serialised as the body of `GET /posts/{id}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Post {
+    #[schema(minimum = 1)]
     pub id: i64,
     pub title: String,
     pub body: String,
     pub author: String,
+    /// RFC 3339.
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
+    /// RFC 3339.
     #[serde(with = "time::serde::rfc3339")]
     pub updated_at: OffsetDateTime,
 }

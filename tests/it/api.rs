@@ -241,3 +241,30 @@ async fn a_request_in_flight_finishes_after_the_shutdown_signal() {
     assert_eq!(reply.status, 200);
     stopping.await.unwrap();
 }
+
+#[tokio::test]
+async fn the_openapi_document_is_served_with_the_caching_headers_of_reads() {
+    let env = TestEnv::new(1).await;
+    let app = env.spawn(&[]).await;
+
+    let reply = app.get("/openapi.json").await;
+
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.content_type.as_deref(), Some("application/json"));
+    let doc = reply.json();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let read = &doc["paths"]["/posts/{id}"]["get"]["responses"];
+    for header in [
+        "X-Cache",
+        "X-Cache-Tier",
+        "ETag",
+        "Cache-Control",
+        "Age",
+        "Warning",
+    ] {
+        assert!(read["200"]["headers"][header].is_object(), "{header}");
+    }
+    for status in ["304", "400", "404", "503", "504"] {
+        assert!(read[status].is_object(), "{status}");
+    }
+}
