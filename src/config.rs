@@ -36,6 +36,24 @@ pub enum Command {
     /// Invalidate posts fleet-wide, the same way a change in PostgreSQL does
     /// (for operators, and for writes made with the triggers off).
     Invalidate(Box<InvalidateArgs>),
+    /// Show what Redis holds for a post: its entry (found, not found, failed,
+    /// backoff copy), ages and TTLs, the fail-safe copy, the lock and its
+    /// holder, the ready channel's subscribers.
+    Inspect(Box<InspectArgs>),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    pub cache: CacheSettings,
+
+    /// The id of the post.
+    #[arg(value_parser = parse_post_id)]
+    pub id: i64,
+
+    /// Print JSON instead of words.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -31,6 +31,14 @@ async fn main() -> anyhow::Result<()> {
         Command::Invalidate(args) => {
             print!("{}", postcache::cli::invalidate::run(&args).await?);
         }
+        Command::Inspect(args) => {
+            let inspection = postcache::cli::inspect::run(&args).await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&inspection)?);
+            } else {
+                print!("{inspection}");
+            }
+        }
         Command::Serve(args) => {
             let app = Application::build(*args).await?;
             app.run_until_stopped(shutdown_signal()).await?;

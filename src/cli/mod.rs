@@ -1,4 +1,5 @@
 //! Subcommands other than `serve`.
 
+pub mod inspect;
 pub mod invalidate;
 pub mod seed;

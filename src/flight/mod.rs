@@ -67,7 +67,7 @@ use tracing::Instrument;
 
 pub use freshness::StoreFor;
 pub use nodes::Nodes;
-pub use redis::{ChangeKind, RedisCommands, RedisError};
+pub use redis::{ChangeKind, ItemSnapshot, RedisCommands, RedisError};
 pub use settings::Settings;
 pub use subscriber::Subscriber;
 pub use waiter::Wake;

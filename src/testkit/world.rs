@@ -14,7 +14,7 @@ use super::{
 use crate::{
     cache::{Entry, Keys},
     cli::seed::generate,
-    config::{Cli, Command, DatabaseSettings, InvalidateArgs, ServeArgs},
+    config::{Cli, Command, DatabaseSettings, InspectArgs, InvalidateArgs, ServeArgs},
     flight::Hooks,
     posts::PostStore,
     startup::{redis_config, Application},
@@ -161,6 +161,17 @@ impl TestEnv {
         match cli.command {
             Command::Invalidate(args) => *args,
             _ => unreachable!("invalidate was asked for"),
+        }
+    }
+
+    /// The arguments of `postcache inspect` on this world, with `args`.
+    pub fn inspect_args(&self, args: &[&str]) -> InspectArgs {
+        let world = ["--redis-url", &self.redis_url, "--key-prefix", &self.prefix];
+        let argv = ["postcache", "inspect"].into_iter().chain(world);
+        let cli = Cli::try_parse_from(argv.chain(args.iter().copied())).expect("valid arguments");
+        match cli.command {
+            Command::Inspect(args) => *args,
+            _ => unreachable!("inspect was asked for"),
         }
     }
 

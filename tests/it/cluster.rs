@@ -4,7 +4,10 @@
 use std::time::Duration;
 
 use futures::future::join_all;
-use postcache::testkit::{fire, wait_until, RedisCluster, TableLock, TestApp, TestEnv, PATIENT};
+use postcache::{
+    cli::inspect::{self, EntryStatus},
+    testkit::{fire, wait_until, RedisCluster, TableLock, TestApp, TestEnv, PATIENT},
+};
 
 use crate::scenarios;
 
@@ -53,12 +56,14 @@ async fn a_posts_keys_share_one_slot_and_waiters_use_shard_channels() {
         .iter()
         .map(|p| cluster.cli(*p, &["pubsub", "numsub", &channel]))
         .collect();
+    let inspected = inspect::run(&env.inspect_args(&["5"])).await.unwrap();
     lock.release().await;
     let replies: Vec<_> = join_all(requests)
         .await
         .into_iter()
         .map(|r| r.unwrap().0)
         .collect();
+    let after = inspect::run(&env.inspect_args(&["5"])).await.unwrap();
 
     assert!(
         classic.iter().all(|r| r.lines().nth(1) == Some("0")),
@@ -70,6 +75,10 @@ async fn a_posts_keys_share_one_slot_and_waiters_use_shard_channels() {
         .filter(|r| r.x_cache.as_deref() == Some("miss"))
         .count();
     assert_eq!(misses, 1);
+    // `inspect` on a cluster: the shard subscriber and the lock, then the entry.
+    assert!(inspected.lock.held);
+    assert_eq!(inspected.ready_channel.subscribers, 1);
+    assert_eq!(after.status, EntryStatus::Found);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

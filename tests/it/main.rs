@@ -16,3 +16,4 @@ mod processes;
 mod restarts;
 mod scenarios;
 mod single_flight;
+mod toolkit;

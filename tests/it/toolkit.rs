@@ -1,0 +1,165 @@
+//! The operators' toolkit against the real servers: `postcache inspect`.
+
+use std::time::Duration;
+
+use futures::future::join_all;
+use postcache::{
+    cli::inspect::{self, EntryStatus, Inspection},
+    testkit::{fire, TableLock, TestEnv},
+};
+
+async fn inspect(env: &TestEnv, id: i64) -> Inspection {
+    inspect::run(&env.inspect_args(&[&id.to_string()]))
+        .await
+        .expect("inspect")
+}
+
+#[tokio::test]
+async fn inspect_shows_a_found_entry_with_its_copy_and_ttls_a_not_found_one_and_an_absent_one() {
+    let env = TestEnv::new(3).await;
+    let app = env
+        .spawn(&["--cache-ttl", "60s", "--l1-max-bytes", "0"])
+        .await;
+
+    let read = app.get("/posts/2").await;
+    let missing = app.get("/posts/99").await;
+    let found = inspect(&env, 2).await;
+    let not_found = inspect(&env, 99).await;
+    let absent = inspect(&env, 3).await;
+
+    assert_eq!((read.status, missing.status), (200, 404));
+    assert_eq!(found.status, EntryStatus::Found);
+    let entry = found.value.entry.as_ref().expect("an entry");
+    let etag = read.headers["etag"].to_str().unwrap();
+    assert_eq!(entry.etag.as_deref(), Some(etag));
+    assert_eq!(entry.body_bytes, read.body.len());
+    assert!((0..5_000).contains(&entry.age_ms), "{entry:?}");
+    assert!((50_000..=66_000).contains(&entry.fresh_for_ms), "{entry:?}");
+    let ttl = found.value.ttl_ms.expect("the value expires");
+    assert!((50_000..=66_000).contains(&ttl), "{ttl}");
+    let copy = found.fail_safe.entry.as_ref().expect("a fail-safe copy");
+    assert_eq!(copy.status, EntryStatus::Found);
+    assert!(found.fail_safe.ttl_ms.expect("the copy expires") > ttl);
+    assert!(!found.lock.held);
+    assert_eq!(found.lock.holder, None);
+    assert_eq!(found.ready_channel.subscribers, 0);
+    assert_eq!(found.value.key, env.keys.value(2));
+
+    assert_eq!(not_found.status, EntryStatus::NotFound);
+    let ttl = not_found.value.ttl_ms.expect("a negative entry expires");
+    assert!((5_000..=11_000).contains(&ttl), "{ttl}");
+    assert_eq!(absent.status, EntryStatus::Absent);
+    assert!(absent.value.entry.is_none() && absent.fail_safe.entry.is_none());
+}
+
+/// While a load is held back, the lock's holder and TTL show, and so do the
+/// waiters of another instance, subscribed to the ready channel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inspect_shows_the_lock_holder_and_the_subscribed_waiters_during_a_load() {
+    let env = TestEnv::new(3).await;
+    let apps = join_all((0..2).map(|_| env.spawn(&["--lock-ttl", "5s"]))).await;
+    let lock = TableLock::take(&env).await;
+
+    let requests = fire(&apps, "/posts/1", 10);
+    env.until_held(&apps, 10).await;
+    env.until_subscribed(1).await;
+    let during = inspect(&env, 1).await;
+    lock.release().await;
+    let replies = postcache::testkit::answered(requests).await;
+    let after = inspect(&env, 1).await;
+
+    assert!(replies.iter().all(|(r, _)| r.status == 200));
+    assert_eq!(during.status, EntryStatus::Absent);
+    assert!(during.lock.held);
+    let holder = during.lock.holder.as_deref().expect("a holder");
+    assert_eq!(holder.len(), 8);
+    assert!(holder.bytes().all(|b| b.is_ascii_hexdigit()), "{holder}");
+    let ttl = during.lock.ttl_ms.expect("the lock expires");
+    assert!((1..=5_000).contains(&ttl), "{ttl}");
+    assert!(during.ready_channel.subscribers >= 1);
+    assert_eq!(after.status, EntryStatus::Found);
+    assert!(!after.lock.held);
+}
+
+/// When loads fail: a stale post is re-served as a backoff copy, and a post
+/// with nothing to re-serve gets a failure marker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inspect_shows_a_backoff_copy_and_a_failure_marker_while_loads_fail() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&[
+            "--cache-ttl",
+            "300ms",
+            "--ttl-jitter",
+            "0",
+            "--failure-ttl",
+            "5s",
+            "--l1-max-bytes",
+            "0",
+        ])
+        .await;
+    assert_eq!(app.get("/posts/5").await.status, 200);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    env.break_posts(true).await;
+    app.stop_pool_connections().await;
+
+    let stale = app.get("/posts/5").await;
+    let cold = app.get("/posts/6").await;
+    let backoff = inspect(&env, 5).await;
+    let failed = inspect(&env, 6).await;
+    env.break_posts(false).await;
+
+    assert_eq!(stale.x_cache.as_deref(), Some("stale"));
+    assert_eq!(cold.status, 503);
+    assert_eq!(backoff.status, EntryStatus::Backoff);
+    let entry = backoff.value.entry.as_ref().expect("the copy re-served");
+    assert!(entry.fresh_for_ms < 0, "{entry:?}");
+    assert_eq!(failed.status, EntryStatus::Failed);
+    assert!(failed.value.ttl_ms.expect("a marker expires") <= 5_500);
+}
+
+/// The binary's `--json`, as scripts read it: the status by name.
+#[tokio::test]
+async fn the_inspect_command_prints_json_naming_the_status() {
+    let env = TestEnv::new(3).await;
+    let app = env.spawn(&[]).await;
+    assert_eq!(app.get("/posts/1").await.status, 200);
+
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_postcache"))
+        .args(["inspect", "1", "--json"])
+        .env("REDIS_URL", &env.redis_url)
+        .env("KEY_PREFIX", &env.prefix)
+        .output()
+        .await
+        .unwrap();
+    let words = tokio::process::Command::new(env!("CARGO_BIN_EXE_postcache"))
+        .args(["inspect", "1"])
+        .env("REDIS_URL", &env.redis_url)
+        .env("KEY_PREFIX", &env.prefix)
+        .output()
+        .await
+        .unwrap();
+    let bad = tokio::process::Command::new(env!("CARGO_BIN_EXE_postcache"))
+        .args(["inspect", "0"])
+        .output()
+        .await
+        .unwrap();
+
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["status"], "found");
+    assert_eq!(json["value"]["entry"]["status"], "found");
+    assert_eq!(json["lock"]["held"], false);
+    assert!(json["value"]["ttl_ms"].as_u64().unwrap() > 0);
+    let words = String::from_utf8(words.stdout).unwrap();
+    assert!(words.starts_with("post 1: found\n"), "{words}");
+    assert!(
+        words.contains("lock") && words.contains("0 subscribers"),
+        "{words}"
+    );
+    assert!(!bad.status.success(), "an invalid id is refused");
+}
