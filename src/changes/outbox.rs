@@ -184,14 +184,18 @@ pub async fn prune(pool: &PgPool, retention: Duration, applied: &str) -> sqlx::R
     }
 }
 
-/// Appends changes to the outbox by hand (`postcache invalidate`): one per
-/// id, or one for every post when `ids` is empty. Their ids, in order.
-pub async fn record(pool: &PgPool, ids: &[i64]) -> sqlx::Result<Vec<(i64, Option<i64>)>> {
+/// Appends changes to the outbox by hand (`postcache invalidate`, and each
+/// batch of `postcache seed`): one per id, or one for every post when `ids`
+/// is empty. Their ids, in order.
+pub async fn record<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    ids: &[i64],
+) -> sqlx::Result<Vec<(i64, Option<i64>)>> {
     if ids.is_empty() {
         let id: i64 = sqlx::query_scalar(
             "insert into post_changes (post_id, op) values (null, 'invalidate_all') returning id",
         )
-        .fetch_one(pool)
+        .fetch_one(executor)
         .await?;
         return Ok(vec![(id, None)]);
     }
@@ -200,7 +204,7 @@ pub async fn record(pool: &PgPool, ids: &[i64]) -> sqlx::Result<Vec<(i64, Option
          select unnest($1::bigint[]), 'invalidate' returning id, post_id",
     )
     .bind(ids)
-    .fetch_all(pool)
+    .fetch_all(executor)
     .await?;
     Ok(rows
         .into_iter()

@@ -1,12 +1,16 @@
-//! `postcache seed --posts N [--seed S]`: deterministic, bulk, safe to rerun.
+//! `postcache seed --posts N [--seed S]`: deterministic, bulk, streamed,
+//! safe to rerun.
 
-use std::time::Instant;
+use std::{io::IsTerminal, time::Instant};
 
 use anyhow::Context;
+use indicatif::{HumanCount, ProgressBar, ProgressState, ProgressStyle};
 use rand::{rngs::StdRng, seq::IndexedRandom, Rng, SeedableRng};
+use sqlx::PgPool;
 use time::{Duration, OffsetDateTime};
 
 use crate::{
+    changes::outbox,
     config::SeedArgs,
     db,
     posts::{Post, PostStore},
@@ -71,37 +75,52 @@ pub fn generate(id: i64, seed: u64) -> Post {
 }
 
 /// Writes posts 1..=N; returns how many rows were written.
+///
+/// Streamed: batches are generated as they are written, PARALLEL_BATCHES
+/// at a time, so memory stays bounded whatever N. Each batch is one
+/// transaction that writes its posts with the change capture off and
+/// records one change for every post instead (see
+/// `migrations/0003_bulk_writes.sql`): a running fleet invalidates its
+/// cache once per batch rather than applying a change per post, and a
+/// seed stopped midway leaves no written batch unannounced.
+///
+/// A progress bar is drawn on stderr when it is a terminal; otherwise only
+/// the closing log line is written.
 pub async fn run(args: &SeedArgs) -> anyhow::Result<u64> {
     db::migrate(&args.database).await?;
     let mut settings = args.database.clone();
     settings.db_statement_timeout = std::time::Duration::from_secs(600);
     settings.db_acquire_timeout = std::time::Duration::from_secs(60);
-    let store = PostStore::new(db::connect(&settings).await?);
+    let pool = db::connect(&settings).await?;
     let started = Instant::now();
     let seed = args.seed;
-    let batches: Vec<(u64, u64)> = (0..args.posts.div_ceil(BATCH_ROWS))
-        .map(|b| {
-            let first = b * BATCH_ROWS + 1;
-            (first, (first + BATCH_ROWS - 1).min(args.posts))
-        })
-        .collect();
+    let progress = progress_bar(args.posts);
+    let batches = args.posts.div_ceil(BATCH_ROWS);
+    let mut next = 0;
     let mut written = 0;
-    for chunk in batches.chunks(PARALLEL_BATCHES) {
-        let mut tasks = tokio::task::JoinSet::new();
-        for &(first, last) in chunk {
-            let store = store.clone();
+    let mut tasks = tokio::task::JoinSet::new();
+    while next < batches || !tasks.is_empty() {
+        while next < batches && tasks.len() < PARALLEL_BATCHES {
+            let first = next * BATCH_ROWS + 1;
+            let last = (first + BATCH_ROWS - 1).min(args.posts);
+            let pool = pool.clone();
             tasks.spawn(async move {
                 let posts: Vec<Post> = (first..=last).map(|id| generate(id as i64, seed)).collect();
-                store.upsert_batch(&posts).await
+                write_batch(&pool, &posts).await
             });
+            next += 1;
         }
-        while let Some(done) = tasks.join_next().await {
-            written += done
-                .context("seed task panicked")?
-                .context("failed to write posts")?;
-        }
+        let Some(done) = tasks.join_next().await else {
+            break;
+        };
+        let rows = done
+            .context("seed task panicked")?
+            .context("failed to write posts")?;
+        written += rows;
+        progress.inc(rows);
     }
-    store.pool().close().await;
+    progress.finish_and_clear();
+    pool.close().await;
     tracing::info!(
         posts = written,
         seed,
@@ -109,6 +128,39 @@ pub async fn run(args: &SeedArgs) -> anyhow::Result<u64> {
         "seeded"
     );
     Ok(written)
+}
+
+/// One batch in one transaction: the posts, written without a change per
+/// post, and one change for every post (`invalidate_all`).
+async fn write_batch(pool: &PgPool, posts: &[Post]) -> Result<u64, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("set local postcache.capture = off")
+        .execute(&mut *tx)
+        .await?;
+    let written = PostStore::upsert_batch_with(&mut *tx, posts).await?;
+    outbox::record(&mut *tx, &[]).await?;
+    tx.commit().await?;
+    Ok(written)
+}
+
+/// Progress on stderr if it is a terminal, hidden otherwise.
+fn progress_bar(posts: u64) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(posts);
+    // The template is a constant: it parses.
+    let style = ProgressStyle::with_template(
+        "{spinner} {elapsed_precise} [{wide_bar}] {human_pos}/{human_len} posts, {rate}/s, eta {eta}",
+    )
+    .expect("a valid template")
+    .with_key("rate", |state: &ProgressState, w: &mut dyn std::fmt::Write| {
+        let _ = write!(w, "{}", HumanCount(state.per_sec() as u64));
+    })
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
 }
 
 #[cfg(test)]

@@ -47,6 +47,14 @@ impl PostStore {
 
     /// Inserts or replaces a batch of posts in one statement.
     pub async fn upsert_batch(&self, posts: &[Post]) -> Result<u64, sqlx::Error> {
+        Self::upsert_batch_with(&self.pool, posts).await
+    }
+
+    /// [`PostStore::upsert_batch`] on `executor` (a transaction of the caller's).
+    pub async fn upsert_batch_with<'e>(
+        executor: impl sqlx::PgExecutor<'e>,
+        posts: &[Post],
+    ) -> Result<u64, sqlx::Error> {
         let mut ids = Vec::with_capacity(posts.len());
         let mut titles = Vec::with_capacity(posts.len());
         let mut bodies = Vec::with_capacity(posts.len());
@@ -75,7 +83,7 @@ impl PostStore {
         .bind(&authors)
         .bind(&created)
         .bind(&updated)
-        .execute(&self.pool)
+        .execute(executor)
         .await?;
         Ok(done.rows_affected())
     }

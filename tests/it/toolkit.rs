@@ -1,11 +1,17 @@
-//! The operators' toolkit against the real servers: `postcache inspect`.
+//! The operators' toolkit against the real servers: `postcache inspect`,
+//! `postcache seed` over a running fleet.
 
 use std::time::Duration;
 
+use clap::Parser;
 use futures::future::join_all;
 use postcache::{
-    cli::inspect::{self, EntryStatus, Inspection},
-    testkit::{fire, TableLock, TestEnv},
+    cli::{
+        inspect::{self, EntryStatus, Inspection},
+        seed,
+    },
+    config::{Cli, Command},
+    testkit::{fire, wait_until, TableLock, TestEnv, A_WHILE},
 };
 
 async fn inspect(env: &TestEnv, id: i64) -> Inspection {
@@ -162,4 +168,59 @@ async fn the_inspect_command_prints_json_naming_the_status() {
         "{words}"
     );
     assert!(!bad.status.success(), "an invalid id is refused");
+}
+
+/// A seed writes without a change per post: one `invalidate_all` per batch,
+/// in the batch's transaction, which the running fleet follows at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reseed_records_one_change_per_batch_and_the_fleet_serves_the_new_posts() {
+    let env = TestEnv::new(3).await;
+    let apps = join_all((0..2).map(|_| env.spawn(&["--cache-ttl", "1h"]))).await;
+    for app in &apps {
+        assert_eq!(app.get("/posts/2").await.status, 200);
+        assert_eq!(app.get("/posts/2").await.tier(), Some("memory"));
+    }
+    let changes = |op: &'static str| {
+        let admin = env.admin.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("select count(*) from post_changes where op = $1")
+                .bind(op)
+                .fetch_one(&admin)
+                .await
+                .unwrap()
+        }
+    };
+    let (inserts, updates) = (changes("insert").await, changes("update").await);
+    let argv = [
+        "postcache",
+        "seed",
+        "--database-url",
+        &env.db_url,
+        "--posts",
+        "25000",
+    ];
+    let Command::Seed(args) = Cli::try_parse_from(argv.into_iter().chain(["--seed", "99"]))
+        .unwrap()
+        .command
+    else {
+        unreachable!("seed was asked for")
+    };
+
+    let written = seed::run(&args).await.unwrap();
+
+    assert_eq!(written, 25_000);
+    let expected = seed::generate(2, 99).title;
+    for app in &apps {
+        wait_until("the new post 2", A_WHILE, async || {
+            app.get("/posts/2").await.json()["title"] == expected.as_str()
+        })
+        .await;
+    }
+    assert_eq!(
+        changes("invalidate_all").await,
+        3,
+        "one per batch of 10,000"
+    );
+    assert_eq!(changes("insert").await, inserts, "no change per post");
+    assert_eq!(changes("update").await, updates, "no change per post");
 }
