@@ -7,8 +7,9 @@
 //! - [`config`] — settings, each a flag and an environment variable.
 //! - [`telemetry`] — logging.
 //! - [`startup`] — builds the service, binds, runs until a shutdown future.
-//! - [`http`] — router, handlers, the one HTTP error type, and the server
-//!   of connections (header and idle deadlines, the connection cap).
+//! - [`http`] — router, handlers, the one HTTP error type, the OpenAPI
+//!   document generated with the routes, and the server of connections
+//!   (header and idle deadlines, the connection cap).
 //! - [`posts`] — the post, its JSON and its SQL.
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`flight`] — the read path: in-process flight, lock with token, shared
@@ -16,7 +17,7 @@
 //! - [`changes`] — the change feed: PostgreSQL's changes to `posts`, by any
 //!   writer, invalidate the cache fleet-wide (outbox, LISTEN, catch-up).
 //! - [`db`] — the PostgreSQL pools and the embedded migrations.
-//! - [`cli`] — `seed`.
+//! - [`cli`] — `seed` (streamed, with progress), `invalidate`, `inspect`.
 //! - `testkit` (feature `testkit`) — test support shared by tests and examples.
 
 pub mod cache;
