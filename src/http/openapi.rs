@@ -95,12 +95,14 @@ const ALL_SERVED: [Served; 7] = [
 /// The caching headers of a read, with their schemas: the values of
 /// `X-Cache` and `X-Cache-Tier` are those `served.rs` writes.
 fn cache_headers() -> Vec<(&'static str, Header)> {
-    let mut x_cache: Vec<&str> = ALL_SERVED.iter().map(|&s| served::header(s)).collect();
-    x_cache.dedup();
-    let tiers: Vec<&str> = ALL_SERVED
-        .iter()
-        .filter_map(|&s| served::hit_tier(s))
-        .collect();
+    let values = |header: fn(Served) -> Option<&'static str>| {
+        let mut values: Vec<&str> = ALL_SERVED.into_iter().filter_map(header).collect();
+        values.sort_unstable();
+        values.dedup();
+        values
+    };
+    let x_cache = values(|s| Some(served::header(s)));
+    let tiers = values(served::hit_tier);
     let one_of = |values: Vec<&str>| {
         ObjectBuilder::new()
             .schema_type(Type::String)
