@@ -102,11 +102,13 @@ impl Application {
             read_path.clone(),
         )
         .await?;
+        let caching = http::CachingHeaders::new(read_path.settings().stale_while_revalidate);
         let state = AppState::new(http::Shared {
             read_path,
             db: pool,
             metrics,
             feed: feed.status(),
+            caching,
         });
         let limits = Limits {
             max_in_flight: args.max_in_flight,

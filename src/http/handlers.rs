@@ -13,7 +13,9 @@ use axum::{
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{error::ApiError, id::PostId, openapi::ErrorBody, served, AppState};
+use super::{
+    caching::CachingHeaders, error::ApiError, id::PostId, openapi::ErrorBody, served, AppState,
+};
 use crate::{
     cache::{now_millis, Entry, Status},
     flight::{Answer, Served},
@@ -135,13 +137,16 @@ fn counted(
     let label = served::label(answer.served, answer.entry().status());
     tracing::Span::current().record("outcome", label);
     metrics::request(label, served::tier_label(answer.served), started.elapsed());
-    let grace = state.read_path.settings().stale_while_revalidate;
-    respond(answer, validators, grace)
+    respond(answer, validators, &state.caching)
 }
 
 /// The response for an entry: body or 404, with the HTTP caching headers
 /// (RFC 9111 / RFC 5861) and a 304 for a matching `If-None-Match`.
-pub(super) fn respond(answer: &Answer, validators: &IfNoneMatch, grace: Duration) -> Response {
+pub(super) fn respond(
+    answer: &Answer,
+    validators: &IfNoneMatch,
+    caching: &CachingHeaders,
+) -> Response {
     let entry = answer.entry();
     let now = now_millis();
     let found = entry.status() == Status::Found;
@@ -169,17 +174,9 @@ pub(super) fn respond(answer: &Answer, validators: &IfNoneMatch, grace: Duration
         headers.insert(X_CACHE_TIER, HeaderValue::from_static(tier));
     }
     let max_age = entry.fresh_until().saturating_sub(now) / 1000;
-    let cache_control = if grace.is_zero() {
-        format!("public, max-age={max_age}")
-    } else {
-        format!(
-            "public, max-age={max_age}, stale-while-revalidate={}",
-            grace.as_secs()
-        )
-    };
     let age = now.saturating_sub(entry.stored_at()) / 1000;
-    insert(headers, header::CACHE_CONTROL, cache_control);
-    insert(headers, header::AGE, age.to_string());
+    headers.insert(header::CACHE_CONTROL, caching.cache_control(max_age));
+    headers.insert(header::AGE, caching.age(age));
     if found {
         insert(headers, header::ETAG, etag(entry));
     }

@@ -2,6 +2,7 @@
 //! past the router, the bounds every other request is held to), routes,
 //! handlers, the error type.
 
+mod caching;
 mod error;
 mod handlers;
 mod id;
@@ -24,6 +25,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
+pub use caching::CachingHeaders;
 pub use error::ApiError;
 pub use id::{InvalidId, PostId};
 pub use server::{connection_cap, serve, ConnectionLimits};
@@ -55,6 +57,8 @@ pub struct Shared {
     pub metrics: PrometheusHandle,
     /// Whether the change feed is up (for `/readyz`).
     pub feed: FeedStatus,
+    /// The values of the caching headers, made once.
+    pub caching: CachingHeaders,
 }
 
 /// Bounds applied to every request but a memory hit (see [`Endpoint`]).

@@ -309,7 +309,8 @@ mod tests {
                     let answer = Answer::new(entry.clone(), served).expect("not a failure");
                     let validators = handlers::IfNoneMatch::from_headers(&validators);
                     for grace in [Duration::ZERO, Duration::from_secs(30)] {
-                        let response = handlers::respond(&answer, &validators, grace);
+                        let caching = super::super::CachingHeaders::new(grace);
+                        let response = handlers::respond(&answer, &validators, &caching);
                         let headers = documented(&doc, response.status());
                         for (name, value) in response.headers() {
                             if name == header::CONTENT_TYPE {
