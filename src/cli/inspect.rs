@@ -220,7 +220,7 @@ impl EntryView {
             fresh_for_ms: entry.fresh_until() as i64 - now as i64,
             load_ms: entry.load_time().as_secs_f64() * 1000.0,
             body_bytes: entry.body().len(),
-            etag: found.then(|| format!("\"{:016x}\"", entry.etag())),
+            etag: found.then(|| crate::http::etag(entry)),
             before_cutoff: entry.read_at() < cutoff,
         }
     }

@@ -197,8 +197,8 @@ fn insert(headers: &mut HeaderMap, name: HeaderName, value: String) {
     }
 }
 
-/// The strong validator of an entry's body.
-fn etag(entry: &Entry) -> String {
+/// The strong validator of an entry's body, as the `ETag` header shows it.
+pub fn etag(entry: &Entry) -> String {
     format!("\"{:016x}\"", entry.etag())
 }
 

@@ -27,6 +27,7 @@ use tower::ServiceExt;
 
 pub use caching::CachingHeaders;
 pub use error::ApiError;
+pub use handlers::etag;
 pub use id::{InvalidId, PostId};
 pub use server::{connection_cap, serve, ConnectionLimits};
 

@@ -81,22 +81,11 @@ pub const POSTS_PATH: &str = "/posts/{id}";
 /// cached "not found" too).
 const CACHED_STATUSES: [&str; 3] = ["200", "304", "404"];
 
-/// Every `Served`, for the header values it can produce.
-const ALL_SERVED: [Served; 7] = [
-    Served::Memory,
-    Served::Hit,
-    Served::Stale,
-    Served::Miss,
-    Served::CoalescedLocal,
-    Served::CoalescedRemote,
-    Served::Bypass,
-];
-
 /// The caching headers of a read, with their schemas: the values of
 /// `X-Cache` and `X-Cache-Tier` are those `served.rs` writes.
 fn cache_headers() -> Vec<(&'static str, Header)> {
     let values = |header: fn(Served) -> Option<&'static str>| {
-        let mut values: Vec<&str> = ALL_SERVED.into_iter().filter_map(header).collect();
+        let mut values: Vec<&str> = served::ALL.into_iter().filter_map(header).collect();
         values.sort_unstable();
         values.dedup();
         values
@@ -300,10 +289,10 @@ mod tests {
         let mut matching = HeaderMap::new();
         matching.insert(
             header::IF_NONE_MATCH,
-            HeaderValue::from_str(&format!("\"{:016x}\"", found.etag())).expect("ascii"),
+            HeaderValue::from_str(&handlers::etag(&found)).expect("ascii"),
         );
         let mut seen = 0;
-        for served in ALL_SERVED {
+        for served in served::ALL {
             for entry in [&found, &found.as_backoff(), &not_found] {
                 for validators in [HeaderMap::new(), matching.clone()] {
                     let answer = Answer::new(entry.clone(), served).expect("not a failure");

@@ -4,6 +4,18 @@
 
 use crate::{cache::Status, flight::Served};
 
+/// Every way an answer is served: the values the OpenAPI document lists,
+/// and what the tests go through.
+pub const ALL: [Served; 7] = [
+    Served::Memory,
+    Served::Hit,
+    Served::Stale,
+    Served::Miss,
+    Served::CoalescedLocal,
+    Served::CoalescedRemote,
+    Served::Bypass,
+];
+
 /// The `X-Cache` header value.
 pub fn header(served: Served) -> &'static str {
     match served {
@@ -57,16 +69,7 @@ mod tests {
     /// can be counted under must be among them.
     #[test]
     fn every_outcome_and_tier_is_registered() {
-        let all = [
-            Served::Memory,
-            Served::Hit,
-            Served::Stale,
-            Served::Miss,
-            Served::CoalescedLocal,
-            Served::CoalescedRemote,
-            Served::Bypass,
-        ];
-        for served in all {
+        for served in ALL {
             for status in [Status::Found, Status::NotFound] {
                 let pair = (label(served, status), tier_label(served));
                 assert!(REQUEST_LABELS.contains(&pair), "{pair:?}");
