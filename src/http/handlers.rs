@@ -54,6 +54,18 @@ impl IfNoneMatch {
                 .collect(),
         )
     }
+
+    /// The same values, copied: a request's header values share the
+    /// connection's read buffer, which a read that may wait must not keep
+    /// (see `Endpoint::read`).
+    pub fn detached(self) -> Self {
+        Self(
+            self.0
+                .iter()
+                .filter_map(|v| HeaderValue::from_bytes(v.as_bytes()).ok())
+                .collect(),
+        )
+    }
 }
 
 /// `GET /posts/{id}` when the memory tier holds the post, answered before

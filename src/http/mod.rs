@@ -19,7 +19,10 @@ use axum::{
     routing::get,
     Router,
 };
-use futures::future::{ready, Either};
+use futures::{
+    future::{ready, Either},
+    FutureExt,
+};
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::Semaphore;
@@ -100,6 +103,13 @@ impl Endpoint {
     }
 
     /// The answer to `request`; never an error (errors are responses).
+    ///
+    /// What can be decided at once is decided here, before the future is
+    /// made: the future of a read keeps nothing of the request (see
+    /// [`Endpoint::read`]), and no value is held both by the future and by
+    /// what it awaits (an async block's captures are kept beside the future
+    /// it awaits, so each such layer would double the size of every waiting
+    /// request).
     pub fn answer(
         &self,
         request: Request<Incoming>,
@@ -107,28 +117,45 @@ impl Endpoint {
         if let Some(response) = handlers::memory_hit(&self.state, &request) {
             return Either::Left(ready(Ok(counted(response))));
         }
-        let this = self.clone();
-        Either::Right(async move {
-            let Ok(_permit) = this.in_flight.clone().try_acquire_owned() else {
-                return Ok(counted(ApiError::Overloaded.into_response()));
-            };
-            let answer = async {
-                match handlers::post_read(&request) {
-                    Some(id) => {
-                        let validators = handlers::IfNoneMatch::from_headers(request.headers());
-                        handlers::read_post(&this.state, id, validators).await
-                    }
-                    None => match this.router.oneshot(request.map(Body::new)).await {
+        let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
+            return Either::Left(ready(Ok(counted(ApiError::Overloaded.into_response()))));
+        };
+        let answer = match handlers::post_read(&request) {
+            Some(id) => Either::Left(self.read(request, id)),
+            // Boxed: the routes' futures are larger than a read's, and rarer.
+            None => Either::Right(Box::pin(
+                self.router
+                    .clone()
+                    .oneshot(request.map(Body::new))
+                    .map(|routed| match routed {
                         Ok(response) => response,
                         Err(infallible) => match infallible {},
-                    },
-                }
-            };
-            let response = tokio::time::timeout(this.request_timeout, answer)
-                .await
-                .unwrap_or_else(|_| ApiError::RequestTimeout.into_response());
-            Ok(counted(response))
-        })
+                    }),
+            )),
+        };
+        Either::Right(
+            tokio::time::timeout(self.request_timeout, answer).map(move |bounded| {
+                drop(permit);
+                Ok(counted(bounded.unwrap_or_else(|_| {
+                    ApiError::RequestTimeout.into_response()
+                })))
+            }),
+        )
+    }
+
+    /// The read of post `id` for `request`, which is dropped before the read
+    /// starts: its head (path, headers) shares hyper's read buffer, and a
+    /// request kept while it waits for a load would make hyper allocate a
+    /// new buffer for the connection's next read.
+    fn read(
+        &self,
+        request: Request<Incoming>,
+        id: PostId,
+    ) -> impl Future<Output = Response> + Send + 'static {
+        let validators = handlers::IfNoneMatch::from_headers(request.headers()).detached();
+        drop(request);
+        let state = self.state.clone();
+        async move { handlers::read_post(&state, id, validators).await }
     }
 }
 

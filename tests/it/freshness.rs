@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use postcache::{
     cache::now_millis,
+    cli::invalidate,
     testkit::{wait_until, Reply, TableLock, TestApp, TestEnv, A_WHILE},
 };
 use reqwest::Method;
@@ -259,6 +260,56 @@ async fn a_cold_key_whose_load_failed_answers_503_at_once_during_failure_ttl() {
     assert!(took < Duration::from_secs(1), "{took:?}");
     assert_eq!(attempts, 1, "only the first request tried the database");
     env.break_posts(false).await;
+}
+
+/// A read past the memory tier keeps copies of the If-None-Match values,
+/// not the request (whose head shares the connection's read buffer): a
+/// revalidation answered from Redis, and revalidations that waited on a held
+/// load (its leader and its joiners), still get 304.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revalidations_past_the_memory_tier_get_304_from_redis_and_after_a_load() {
+    let env = TestEnv::new(10).await;
+    let app = env.spawn(&["--l1-max-bytes", "0"]).await;
+    let etag = app.get("/posts/4").await.headers["etag"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let revalidate = |tag: &str| {
+        let (http, tag) = (app.http.clone(), tag.to_owned());
+        tokio::spawn(async move {
+            let headers = [("if-none-match", tag.as_str())];
+            http.send(Method::GET, "/posts/4", &headers).await.unwrap()
+        })
+    };
+
+    let from_redis = revalidate(&etag).await.unwrap();
+    invalidate::run(&env.invalidate_args(&["4"])).await.unwrap();
+    let lock = TableLock::take(&env).await;
+    let waiting: Vec<_> = (0..3).map(|_| revalidate(&etag)).collect();
+    let changed = revalidate("\"0000000000000000\"");
+    env.until_held(std::slice::from_ref(&app), 4).await;
+    lock.release().await;
+    let waited: Vec<Reply> = join_all(waiting)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let changed = changed.await.unwrap();
+
+    assert_eq!(from_redis.status, 304);
+    assert_eq!(from_redis.tier(), Some("redis"));
+    assert_eq!(
+        waited.iter().map(|r| r.status).collect::<Vec<_>>(),
+        [304, 304, 304]
+    );
+    let mut roles = tags(&waited);
+    roles.sort_unstable();
+    assert!(
+        roles == ["coalesced", "coalesced", "miss"] || roles == ["coalesced"; 3],
+        "{roles:?}"
+    );
+    assert!(waited.iter().all(|r| r.headers["etag"] == etag.as_str()));
+    assert_eq!(changed.status, 200);
 }
 
 #[tokio::test]
