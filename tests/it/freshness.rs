@@ -10,10 +10,20 @@ use postcache::{
     testkit::{wait_until, Reply, TableLock, TestApp, TestEnv, A_WHILE},
 };
 use reqwest::Method;
+use tokio::task::JoinHandle;
 
 /// Fires `n` requests for `path` over `apps` and returns the replies.
 async fn burst(apps: &[TestApp], path: &str, n: usize) -> Vec<Reply> {
     join_all((0..n).map(|i| apps[i % apps.len()].get(path))).await
+}
+
+/// Sends `GET path` with `If-None-Match: tag`, as a task of its own.
+fn revalidate(app: &TestApp, path: &str, tag: &str) -> JoinHandle<Reply> {
+    let (http, path, tag) = (app.http.clone(), path.to_owned(), tag.to_owned());
+    tokio::spawn(async move {
+        let headers = [("if-none-match", tag.as_str())];
+        http.send(Method::GET, &path, &headers).await.unwrap()
+    })
 }
 
 #[track_caller]
@@ -274,19 +284,13 @@ async fn revalidations_past_the_memory_tier_get_304_from_redis_and_after_a_load(
         .to_str()
         .unwrap()
         .to_owned();
-    let revalidate = |tag: &str| {
-        let (http, tag) = (app.http.clone(), tag.to_owned());
-        tokio::spawn(async move {
-            let headers = [("if-none-match", tag.as_str())];
-            http.send(Method::GET, "/posts/4", &headers).await.unwrap()
-        })
-    };
-
-    let from_redis = revalidate(&etag).await.unwrap();
+    let from_redis = revalidate(&app, "/posts/4", &etag).await.unwrap();
     invalidate::run(&env.invalidate_args(&["4"])).await.unwrap();
     let lock = TableLock::take(&env).await;
-    let waiting: Vec<_> = (0..3).map(|_| revalidate(&etag)).collect();
-    let changed = revalidate("\"0000000000000000\"");
+    let waiting: Vec<_> = (0..3)
+        .map(|_| revalidate(&app, "/posts/4", &etag))
+        .collect();
+    let changed = revalidate(&app, "/posts/4", "\"0000000000000000\"");
     env.until_held(std::slice::from_ref(&app), 4).await;
     lock.release().await;
     let waited: Vec<Reply> = join_all(waiting)
@@ -322,15 +326,10 @@ async fn etags_are_stable_and_a_matching_if_none_match_gets_304() {
     let first = app.get("/posts/7").await;
     let second = app.get("/posts/7").await;
     let etag = first.headers["etag"].to_str().unwrap().to_owned();
-    let revalidate = async |tag: &str| {
-        let headers = [("if-none-match", tag)];
-        app.http
-            .send(Method::GET, "/posts/7", &headers)
-            .await
-            .unwrap()
-    };
-    let revalidated = revalidate(&etag).await;
-    let other = revalidate("\"0000000000000000\"").await;
+    let revalidated = revalidate(&app, "/posts/7", &etag).await.unwrap();
+    let other = revalidate(&app, "/posts/7", "\"0000000000000000\"")
+        .await
+        .unwrap();
 
     assert_eq!(
         second.headers["etag"],
