@@ -265,6 +265,13 @@ pub struct CacheSettings {
     #[arg(long, env = "L1_TTL", default_value = "30s", value_parser = parse_duration)]
     pub l1_ttl: Duration,
 
+    /// A post whose JSON is larger than this many bytes is never cached:
+    /// it is served from PostgreSQL (`X-Cache: bypass`, `X-Cache-Bypass:
+    /// too-large`), and a small marker is cached in its place so that every
+    /// instance loads it at once instead of waiting for a lock.
+    #[arg(long, env = "MAX_ENTRY_BYTES", default_value_t = 1 << 20)]
+    pub max_entry_bytes: usize,
+
     /// How long a failed load is remembered fleet-wide: no retry of the database
     /// for the key meanwhile (503 at once, or the fail-safe copy) (0 = off).
     #[arg(long, env = "FAILURE_TTL", default_value = "2s", value_parser = parse_duration)]
@@ -303,7 +310,85 @@ fn parse_jitter(s: &str) -> Result<f64, String> {
 /// LOAD_TIMEOUT's margin over DB_STATEMENT_TIMEOUT when it is not set.
 const LOAD_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
 
+/// The longest any duration setting may be: far above any sensible TTL or
+/// timeout, and far enough below the limits of the arithmetic done with
+/// them (deadlines, jitter, fences, TTLs in milliseconds) that none overflows.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The largest count settings (connections, requests in flight): far above
+/// what one process can hold, far below what overflows a semaphore or a sum.
+pub const MAX_COUNT: usize = 10_000_000;
+/// The largest MAX_ENTRY_BYTES: Redis refuses bulk strings over 512 MiB.
+pub const MAX_ENTRY_BYTES_LIMIT: usize = 512 << 20;
+
+/// Refuses a duration above [`MAX_DURATION`], naming the setting.
+fn at_most_a_year(name: &str, d: Duration) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        d <= MAX_DURATION,
+        "{name} ({}) must be at most {}",
+        humantime::format_duration(d),
+        humantime::format_duration(MAX_DURATION)
+    );
+    Ok(())
+}
+
+impl DatabaseSettings {
+    /// Checks what clap cannot express.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.db_max_connections > 0,
+            "DB_MAX_CONNECTIONS must be positive"
+        );
+        anyhow::ensure!(
+            self.db_max_connections as usize <= MAX_COUNT,
+            "DB_MAX_CONNECTIONS must be at most {MAX_COUNT}"
+        );
+        anyhow::ensure!(
+            !self.db_acquire_timeout.is_zero(),
+            "DB_ACQUIRE_TIMEOUT must be positive"
+        );
+        anyhow::ensure!(
+            !self.db_statement_timeout.is_zero(),
+            "DB_STATEMENT_TIMEOUT must be positive"
+        );
+        at_most_a_year("DB_ACQUIRE_TIMEOUT", self.db_acquire_timeout)?;
+        at_most_a_year("DB_STATEMENT_TIMEOUT", self.db_statement_timeout)
+    }
+}
+
 impl CacheSettings {
+    /// Checks what clap cannot express, for every command that uses Redis.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        // The id's hash tag must be the first `{…}` of every key name, so
+        // that one post's keys share a Redis Cluster slot.
+        anyhow::ensure!(
+            !self.key_prefix.contains(['{', '}']),
+            "KEY_PREFIX must not contain '{{' or '}}' (they would change the Redis Cluster hash tag of every key)"
+        );
+        for (name, d) in [
+            ("CACHE_TTL", self.cache_ttl),
+            ("NEGATIVE_TTL", self.negative_ttl),
+            ("LOCK_TTL", self.lock_ttl),
+            ("WAIT_TIMEOUT", self.wait_timeout),
+            ("REDIS_TIMEOUT", self.redis_timeout),
+            ("POLL_INTERVAL", self.poll_interval),
+            ("STALE_WHILE_REVALIDATE", self.stale_while_revalidate),
+            ("MAX_STALE", self.max_stale),
+            ("L1_TTL", self.l1_ttl),
+            ("FAILURE_TTL", self.failure_ttl),
+        ] {
+            at_most_a_year(name, d)?;
+        }
+        if let Some(load_timeout) = self.load_timeout {
+            at_most_a_year("LOAD_TIMEOUT", load_timeout)?;
+        }
+        anyhow::ensure!(self.max_entry_bytes > 0, "MAX_ENTRY_BYTES must be positive");
+        anyhow::ensure!(
+            self.max_entry_bytes <= MAX_ENTRY_BYTES_LIMIT,
+            "MAX_ENTRY_BYTES must be at most {MAX_ENTRY_BYTES_LIMIT} (Redis's largest value)"
+        );
+        Ok(())
+    }
+
     /// LOAD_TIMEOUT, or DB_STATEMENT_TIMEOUT plus a margin: the server's
     /// bound should end a slow query first, the client's a dead connection.
     pub fn load_timeout(&self, database: &DatabaseSettings) -> Duration {
@@ -321,6 +406,24 @@ impl ServeArgs {
     /// Checks the relations between settings that clap cannot express.
     pub fn validate(&self) -> anyhow::Result<()> {
         let c = &self.cache;
+        self.database.validate()?;
+        c.validate()?;
+        for (name, d) in [
+            ("REQUEST_TIMEOUT", self.request_timeout),
+            ("HEADER_READ_TIMEOUT", self.header_read_timeout),
+            ("IDLE_TIMEOUT", self.idle_timeout),
+            ("CHANGE_RETENTION", self.change_retention),
+        ] {
+            at_most_a_year(name, d)?;
+        }
+        anyhow::ensure!(
+            self.max_in_flight <= MAX_COUNT,
+            "MAX_IN_FLIGHT must be at most {MAX_COUNT}"
+        );
+        anyhow::ensure!(
+            self.max_connections <= MAX_COUNT,
+            "MAX_CONNECTIONS must be at most {MAX_COUNT}"
+        );
         anyhow::ensure!(!c.cache_ttl.is_zero(), "CACHE_TTL must be positive");
         anyhow::ensure!(!c.negative_ttl.is_zero(), "NEGATIVE_TTL must be positive");
         anyhow::ensure!(!c.lock_ttl.is_zero(), "LOCK_TTL must be positive");
@@ -403,6 +506,48 @@ mod tests {
         assert_eq!(s.change_feed, ChangeFeed::On);
         assert_eq!(s.change_retention, Duration::from_secs(3600));
         s.validate().expect("defaults are consistent");
+    }
+
+    #[test]
+    fn settings_that_would_overflow_or_break_the_hash_tags_are_refused() {
+        let refusal = |flags: &[&str]| {
+            let argv = ["postcache", "serve"].iter().chain(flags);
+            let Command::Serve(s) = Cli::try_parse_from(argv).expect("parses").command else {
+                panic!("serve expected")
+            };
+            s.validate().map(|_| ()).map_err(|e| e.to_string())
+        };
+        for (flags, named) in [
+            (&["--cache-ttl", "1000000000h"][..], "CACHE_TTL"),
+            (&["--wait-timeout", "400days"], "WAIT_TIMEOUT"),
+            (&["--max-stale", "2years"], "MAX_STALE"),
+            (&["--load-timeout", "1000days"], "LOAD_TIMEOUT"),
+            (&["--db-acquire-timeout", "1000days"], "DB_ACQUIRE_TIMEOUT"),
+            (&["--change-retention", "1000days"], "CHANGE_RETENTION"),
+            (&["--key-prefix", "app{1}:"], "KEY_PREFIX"),
+            (&["--key-prefix", "}"], "KEY_PREFIX"),
+            (
+                &["--max-connections", "18446744073709551615"],
+                "MAX_CONNECTIONS",
+            ),
+            (&["--max-in-flight", "100000000"], "MAX_IN_FLIGHT"),
+            (&["--db-max-connections", "0"], "DB_MAX_CONNECTIONS"),
+            (&["--max-entry-bytes", "0"], "MAX_ENTRY_BYTES"),
+            (&["--max-entry-bytes", "1000000000"], "MAX_ENTRY_BYTES"),
+        ] {
+            let error = refusal(flags).expect_err(named);
+            assert!(error.contains(named), "{flags:?}: {error}");
+        }
+        assert_eq!(
+            refusal(&["--cache-ttl", "365days", "--key-prefix", "app:1:"]),
+            Ok(())
+        );
+        for jitter in ["1.5", "NaN", "inf", "-0.5"] {
+            assert!(
+                Cli::try_parse_from(["postcache", "serve", "--ttl-jitter", jitter]).is_err(),
+                "{jitter}"
+            );
+        }
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub async fn ensure_database(url: &str) -> anyhow::Result<()> {
 
 /// Creates the database if needed and applies pending migrations.
 pub async fn migrate(settings: &DatabaseSettings) -> anyhow::Result<()> {
+    settings.validate()?;
     ensure_database(&settings.database_url).await?;
     let pool = connect(settings).await?;
     MIGRATOR

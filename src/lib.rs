@@ -10,7 +10,8 @@
 //! - [`http`] — router, handlers, the one HTTP error type, the OpenAPI
 //!   document generated with the routes, and the server of connections
 //!   (header and idle deadlines, the connection cap).
-//! - [`posts`] — the post, its JSON and its SQL.
+//! - [`posts`] — the post, its JSON and its SQL; every `timestamptz`
+//!   PostgreSQL holds (`infinity`, BC years) as JSON.
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`flight`] — the read path: in-process flight, lock with token, shared
 //!   subscriber, per strategy. Generic over what it loads.

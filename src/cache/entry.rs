@@ -6,7 +6,8 @@
 //! ```text
 //! offset  size  field
 //! 0       1     version (1)
-//! 1       1     status: 0 found, 1 not found, 2 failed (messages and failure markers)
+//! 1       1     status: 0 found, 1 not found, 2 failed (messages and failure markers),
+//!               3 too large (a marker: the item is over MAX_ENTRY_BYTES, load it yourself)
 //! 2       1     flags: bit 0 BACKOFF, a stale copy re-served after a failed load
 //! 3       8     stored_at, unix milliseconds, big endian
 //! 11      8     fresh_until, unix milliseconds: the logical freshness deadline
@@ -36,6 +37,7 @@ pub const FLAGS_AT: usize = 2;
 pub const STATUS_FOUND: u8 = 0;
 pub const STATUS_NOT_FOUND: u8 = 1;
 pub const STATUS_FAILED: u8 = 2;
+pub const STATUS_TOO_LARGE: u8 = 3;
 /// Offset of stored_at and of fresh_until (u64, big endian).
 pub const STORED_AT: usize = 3;
 pub const FRESH_UNTIL_AT: usize = 11;
@@ -56,6 +58,11 @@ pub enum Status {
     NotFound,
     /// The load failed; only in `ready` messages and failure markers.
     Failed,
+    /// The item is larger than MAX_ENTRY_BYTES: a marker stored and
+    /// published in its place, without the body, so that readers load it
+    /// from the source themselves, at once, without waiting for a lock
+    /// (Varnish's hit-for-pass).
+    TooLarge,
 }
 
 /// Why bytes could not be read as an entry.
@@ -115,6 +122,7 @@ impl Entry {
             Status::Found => STATUS_FOUND,
             Status::NotFound => STATUS_NOT_FOUND,
             Status::Failed => STATUS_FAILED,
+            Status::TooLarge => STATUS_TOO_LARGE,
         });
         buf.put_u8(0);
         buf.put_u64(stored_at);
@@ -145,6 +153,7 @@ impl Entry {
             STATUS_FOUND => Status::Found,
             STATUS_NOT_FOUND => Status::NotFound,
             STATUS_FAILED => Status::Failed,
+            STATUS_TOO_LARGE => Status::TooLarge,
             other => return Err(DecodeError::Status(other)),
         };
         if status != Status::Found && raw.len() > HEADER_LEN {
@@ -344,8 +353,8 @@ mod properties {
         }
 
         #[test]
-        fn every_entry_round_trips(body in proptest::collection::vec(any::<u8>(), 0..256), ttl in 0u64..10_000_000, status in 0u8..3) {
-            let status = [Status::Found, Status::NotFound, Status::Failed][status as usize];
+        fn every_entry_round_trips(body in proptest::collection::vec(any::<u8>(), 0..256), ttl in 0u64..10_000_000, status in 0u8..4) {
+            let status = [Status::Found, Status::NotFound, Status::Failed, Status::TooLarge][status as usize];
             let e = Entry::new(status, &body, Duration::from_millis(ttl), Duration::from_micros(ttl));
             let d = Entry::decode(e.raw().clone()).unwrap();
             prop_assert_eq!(&d, &e);

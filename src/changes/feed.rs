@@ -27,11 +27,10 @@ use std::{
 
 use futures::{stream, StreamExt};
 use sqlx::{postgres::PgListener, PgPool};
-use time::OffsetDateTime;
 use tokio::sync::watch;
 
 use super::{
-    outbox::{self, CatchUp, Change, Op, CHANNEL, PAGE},
+    outbox::{self, CatchUp, Change, Op, CHANNEL},
     FeedState,
 };
 use crate::{
@@ -226,12 +225,11 @@ impl Follower {
                     return Err(error);
                 }
             };
-            let full = page.len() as i64 == PAGE;
-            after = page.last().map_or(after, |last| last.id);
+            after = page.last.unwrap_or(after);
             // After what waited: the later of a post's changes is applied.
-            changes.extend(page);
+            changes.extend(page.changes);
             self.apply(std::mem::take(&mut changes), progress).await;
-            if !full {
+            if !page.full {
                 break;
             }
         }
@@ -285,8 +283,13 @@ impl Follower {
                 path.invalidate(&id, change.id, ChangeKind::Changed).await?;
             }
         }
-        let lag = OffsetDateTime::now_utc() - change.changed_at;
-        metrics::change_applied(change.op.as_str(), lag.try_into().unwrap_or_default());
+        let now = crate::cache::now_millis() as i128 * 1000;
+        let lag = change
+            .changed_at
+            .unix_micros()
+            .and_then(|at| u64::try_from(now - at).ok())
+            .map_or(Duration::ZERO, Duration::from_micros);
+        metrics::change_applied(change.op.as_str(), lag);
         tracing::debug!(
             change = change.id,
             post = change.post_id,
@@ -382,7 +385,7 @@ mod tests {
             id,
             post_id: Some(post),
             op: Op::Update,
-            changed_at: OffsetDateTime::UNIX_EPOCH,
+            changed_at: crate::posts::Timestamp::from_unix_seconds(0),
         }
     }
 

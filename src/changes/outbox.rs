@@ -14,8 +14,9 @@
 
 use std::time::Duration;
 
-use sqlx::{PgPool, Postgres, Row, Transaction};
-use time::OffsetDateTime;
+use sqlx::{postgres::PgRow, PgPool, Postgres, Row, Transaction};
+
+use crate::{posts::Timestamp, telemetry::metrics};
 
 /// The channel the outbox's trigger notifies, once per statement.
 pub const CHANNEL: &str = "postcache_changes";
@@ -74,7 +75,34 @@ pub struct Change {
     /// `None`: every post.
     pub post_id: Option<i64>,
     pub op: Op,
-    pub changed_at: OffsetDateTime,
+    /// When it was written (any timestamp PostgreSQL holds).
+    pub changed_at: Timestamp,
+}
+
+impl Change {
+    /// A row of the outbox; `None` (logged, counted) for one that cannot be
+    /// read: it is skipped, never a panic that stops the feed.
+    fn read(row: &PgRow) -> Option<Self> {
+        let read = || -> Result<Self, String> {
+            let id = row.try_get("id").map_err(|e| e.to_string())?;
+            let op: String = row.try_get("op").map_err(|e| e.to_string())?;
+            Ok(Change {
+                id,
+                post_id: row.try_get("post_id").map_err(|e| e.to_string())?,
+                op: Op::parse(&op).ok_or_else(|| format!("unknown op {op:?}"))?,
+                changed_at: row.try_get("changed_at").map_err(|e| e.to_string())?,
+            })
+        };
+        match read() {
+            Ok(change) => Some(change),
+            Err(error) => {
+                metrics::change_skipped("undecodable");
+                let id = row.try_get::<i64, _>("id").ok();
+                tracing::warn!(id, error, "an outbox row that cannot be read was skipped");
+                None
+            }
+        }
+    }
 }
 
 /// The snapshot of the database now, as text (`xmin:xmax:xip,…`).
@@ -98,6 +126,16 @@ pub async fn is_past_snapshot(pool: &PgPool, snapshot: &str) -> bool {
     .unwrap_or(false)
 }
 
+/// One page of a catch-up.
+pub struct Page {
+    /// The changes read (rows that cannot be read are skipped).
+    pub changes: Vec<Change>,
+    /// It holds PAGE rows: there may be more.
+    pub full: bool,
+    /// The id of its last row, read or skipped.
+    pub last: Option<i64>,
+}
+
 /// One catch-up: a read-only repeatable-read transaction, so that every
 /// page and the snapshot agree.
 pub struct CatchUp {
@@ -119,7 +157,7 @@ impl CatchUp {
 
     /// One page of the changes not visible in `previous`, those after id
     /// `after`, in id order.
-    pub async fn page(&mut self, previous: &str, after: i64) -> sqlx::Result<Vec<Change>> {
+    pub async fn page(&mut self, previous: &str, after: i64) -> sqlx::Result<Page> {
         let rows = sqlx::query(
             // A range scan of the xid index from the previous snapshot's
             // xmin (a condition with OR over the in-progress list could use
@@ -136,18 +174,12 @@ impl CatchUp {
         .bind(PAGE)
         .fetch_all(&mut *self.tx)
         .await?;
-        Ok(rows
-            .into_iter()
-            .filter_map(|row| {
-                let op: String = row.get("op");
-                Some(Change {
-                    id: row.get("id"),
-                    post_id: row.get("post_id"),
-                    op: Op::parse(&op)?,
-                    changed_at: row.get("changed_at"),
-                })
-            })
-            .collect())
+        Ok(Page {
+            full: rows.len() as i64 == PAGE,
+            // Past the rows skipped too: the next page starts after them.
+            last: rows.last().and_then(|row| row.try_get("id").ok()),
+            changes: rows.iter().filter_map(Change::read).collect(),
+        })
     }
 
     /// Ends it (read only: nothing to keep or undo).

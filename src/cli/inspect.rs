@@ -59,6 +59,9 @@ pub enum EntryStatus {
     Failed,
     /// A stale copy re-served while loads fail, without refreshes.
     Backoff,
+    /// The post is over MAX_ENTRY_BYTES: a marker without its body, so that
+    /// every read loads it from PostgreSQL at once (never cached).
+    TooLarge,
     /// No entry.
     Absent,
     /// Bytes that are not an entry (read as a miss, overwritten by the next
@@ -124,6 +127,7 @@ pub struct Channel {
 }
 
 pub async fn run(args: &InspectArgs) -> anyhow::Result<Inspection> {
+    args.cache.validate()?;
     let redis = startup::redis_commands(&args.cache).await?;
     let keys = Keys::new(args.cache.key_prefix.clone(), "post");
     let item = keys.item(args.id);
@@ -210,6 +214,7 @@ impl EntryView {
             Status::Found => EntryStatus::Found,
             Status::NotFound => EntryStatus::NotFound,
             Status::Failed => EntryStatus::Failed,
+            Status::TooLarge => EntryStatus::TooLarge,
         };
         let found = entry.status() == Status::Found;
         Self {
@@ -259,6 +264,9 @@ impl fmt::Display for EntryStatus {
             EntryStatus::NotFound => "not found",
             EntryStatus::Failed => "failed (the last load failed)",
             EntryStatus::Backoff => "backoff copy (stale, re-served while loads fail)",
+            EntryStatus::TooLarge => {
+                "too large (over MAX_ENTRY_BYTES: read from PostgreSQL, never cached)"
+            }
             EntryStatus::Absent => "absent",
             EntryStatus::Undecodable => "undecodable (read as a miss)",
         })

@@ -33,6 +33,8 @@ pub enum Invalidated {
 }
 
 pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
+    args.database.validate()?;
+    args.cache.validate()?;
     let pool = db::connect(&args.database).await?;
     let redis = startup::redis_commands(&args.cache).await?;
     let keys = Keys::new(args.cache.key_prefix.clone(), "post");

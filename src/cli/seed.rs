@@ -7,13 +7,12 @@ use anyhow::Context;
 use indicatif::{HumanCount, ProgressBar, ProgressState, ProgressStyle};
 use rand::{rngs::StdRng, seq::IndexedRandom, Rng, SeedableRng};
 use sqlx::PgPool;
-use time::{Duration, OffsetDateTime};
 
 use crate::{
     changes::outbox,
     config::SeedArgs,
     db,
-    posts::{Post, PostStore},
+    posts::{Post, PostStore, Timestamp},
 };
 
 /// Rows per INSERT statement: large enough to amortise the round trip,
@@ -61,9 +60,10 @@ pub fn generate(id: i64, seed: u64) -> Post {
     }
     body.push('.');
     let author = pick(&mut rng, AUTHORS).to_string();
-    let base = OffsetDateTime::from_unix_timestamp(1_704_067_200).expect("valid 2024-01-01");
-    let created_at = base + Duration::seconds(id.rem_euclid(60 * 60 * 24 * 700));
-    let updated_at = created_at + Duration::seconds(rng.random_range(0..86_400 * 30));
+    // From 2024-01-01.
+    let created = 1_704_067_200 + id.rem_euclid(60 * 60 * 24 * 700);
+    let created_at = Timestamp::from_unix_seconds(created);
+    let updated_at = Timestamp::from_unix_seconds(created + rng.random_range(0..86_400 * 30));
     Post {
         id,
         title,

@@ -27,6 +27,9 @@ pub enum Verdict {
     StaleInGrace(Entry),
     /// A failure marker: the last load failed within FAILURE_TTL.
     Failed,
+    /// A fresh too-large marker: the item is over MAX_ENTRY_BYTES, so it is
+    /// never stored: load it from the source, without a lock or a wait.
+    TooLarge,
     /// Nothing to serve: absent, undecodable, or stale past the grace window.
     Miss,
 }
@@ -52,6 +55,14 @@ pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Ve
     // for FAILURE_TTL, which is the backoff).
     if entry.status() == Status::Failed {
         Verdict::Failed
+    } else if entry.status() == Status::TooLarge {
+        // Past its freshness (or the cutoff), a marker says nothing: the
+        // item may have shrunk. No grace: it has no body to serve.
+        if now < fresh_until {
+            Verdict::TooLarge
+        } else {
+            Verdict::Miss
+        }
     } else if entry.is_backoff() {
         if invalidated {
             Verdict::Miss
@@ -71,12 +82,14 @@ impl Verdict {
     /// What a read waiting for another's load makes of an entry it found or
     /// was sent: an answer (served as `fresh` when fresh), a failure, or
     /// `None` (nothing yet: keep waiting). A stale entry in its grace window
-    /// is not an answer for a waiter: it waits for the load in progress.
+    /// is not an answer for a waiter: it waits for the load in progress. A
+    /// too-large marker is no answer either: a waiter loads the item itself
+    /// (see `waiter.rs`), a leader loads it as it holds the lock.
     pub fn settle(self, fresh: Served) -> Option<Result<Answer, ReadError>> {
         match self {
             Verdict::Fresh(entry) | Verdict::Backoff(entry) => Some(Answer::new(entry, fresh)),
             Verdict::Failed => Some(Err(ReadError::Unavailable)),
-            Verdict::StaleInGrace(_) | Verdict::Miss => None,
+            Verdict::StaleInGrace(_) | Verdict::Miss | Verdict::TooLarge => None,
         }
     }
 }
@@ -127,7 +140,9 @@ pub struct Lifetimes {
 ///   item (it existed) becomes its tombstone, kept as long as a found copy
 ///   (the finish script writes it only over an existing copy), so that a
 ///   deleted item is answered 404, never its old body, when loads fail;
-/// - failed: nothing but the backoff, for FAILURE_TTL.
+/// - failed: nothing but the backoff, for FAILURE_TTL;
+/// - too large: the marker for its freshness, and no fail-safe copy (one
+///   kept from before the item grew is deleted: it is older than the item).
 pub fn store_for(entry: &Entry, l: Lifetimes) -> StoreFor {
     let fresh = Duration::from_millis(entry.fresh_until().saturating_sub(entry.stored_at()));
     match entry.status() {
@@ -153,6 +168,11 @@ pub fn store_for(entry: &Entry, l: Lifetimes) -> StoreFor {
             value: Duration::ZERO,
             fail_safe: Duration::ZERO,
             failure: l.failure_ttl,
+        },
+        Status::TooLarge => StoreFor {
+            value: fresh,
+            fail_safe: Duration::ZERO,
+            failure: Duration::ZERO,
         },
     }
 }
@@ -261,7 +281,8 @@ mod properties {
         prop_oneof![
             Just(Status::Found),
             Just(Status::NotFound),
-            Just(Status::Failed)
+            Just(Status::Failed),
+            Just(Status::TooLarge)
         ]
     }
 
@@ -308,6 +329,8 @@ mod properties {
             let in_grace = grace_ms > 0 && now < e.fresh_until() + grace_ms;
             let expected = match e.status() {
                 Status::Failed => Verdict::Failed,
+                Status::TooLarge if now < e.fresh_until() => Verdict::TooLarge,
+                Status::TooLarge => Verdict::Miss,
                 _ if e.is_backoff() => Verdict::Backoff(e.clone()),
                 _ if now < e.fresh_until() => Verdict::Fresh(e.clone()),
                 _ if in_grace => Verdict::StaleInGrace(e.clone()),
@@ -361,6 +384,10 @@ mod properties {
                 Status::Failed => {
                     prop_assert!(s.value.is_zero() && s.fail_safe.is_zero());
                     prop_assert_eq!(s.failure, l.failure_ttl);
+                }
+                Status::TooLarge => {
+                    prop_assert_eq!(s.value, fresh);
+                    prop_assert!(s.fail_safe.is_zero() && s.failure.is_zero());
                 }
             }
         }

@@ -1,15 +1,17 @@
 //! The leader's part: the one request in the fleet that holds the lock for a
 //! key loads it, keeps the lock alive while it loads, and finishes in one
-//! round trip (store, publish, release).
+//! round trip (store, publish, release). Its hold on the lock is a guard
+//! ([`Held`]): a leader that vanishes without finishing lets go at once.
 
 use std::time::{Duration, Instant};
 
 use rand::Rng;
+use tokio_util::task::TaskTracker;
 
 use super::{
     freshness::{judge, store_for, Lifetimes, StoreFor, Verdict},
     redis::{with_backoff, RETRY_FIRST},
-    Answer, Outcome, ReadPath, RedisError, Served, Source,
+    Answer, Outcome, ReadPath, RedisCommands, RedisError, Served, Source,
 };
 use crate::cache::{now_millis, Entry, ItemKeys, Status};
 use crate::telemetry::metrics;
@@ -17,11 +19,92 @@ use crate::telemetry::metrics;
 /// A finish to retry in the background, with what it was first sent with.
 struct Finish {
     keys: ItemKeys,
-    token: String,
+    held: Held,
     entry: Entry,
     store: StoreFor,
     fence: String,
     cutoff: u64,
+}
+
+/// A leader's hold on a key's lock, from its election to its finish.
+///
+/// Dropped while still held (the leader's task panicked, or was dropped at
+/// shutdown, at any await) it lets go at once, in the background: the lock
+/// released if it still holds the token, and `retry` published, so that the
+/// waiters elsewhere elect a new leader now instead of sleeping until
+/// LOCK_TTL. Pingora's `WritePermit` marks its lock dangling on drop the
+/// same way. A finish or a release takes the lock over with
+/// [`Held::handed_over`].
+pub(super) struct Held {
+    redis: RedisCommands,
+    tasks: TaskTracker,
+    lock: String,
+    channel: String,
+    token: String,
+    lock_ttl: Duration,
+    /// Still ours to let go of.
+    held: bool,
+}
+
+impl Held {
+    fn new<S: Source>(path: &ReadPath<S>, keys: &ItemKeys, token: &str) -> Self {
+        Self {
+            redis: path.redis.clone(),
+            tasks: path.tasks.clone(),
+            lock: keys.lock.clone(),
+            channel: keys.channel.clone(),
+            token: token.to_owned(),
+            lock_ttl: path.settings.lock_ttl,
+            held: true,
+        }
+    }
+
+    fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// A finish or a release has dealt with the lock (or given up on it,
+    /// leaving it to expire): nothing left to do on drop.
+    fn handed_over(mut self) {
+        self.held = false;
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if !self.held {
+            return;
+        }
+        metrics::lock_abandoned();
+        tracing::warn!(
+            lock = self.lock,
+            "leader gone without finishing; letting go of its lock"
+        );
+        // Outside a runtime (it is gone): the lock expires by itself.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let redis = self.redis.clone();
+        let (lock, channel, token) = (
+            std::mem::take(&mut self.lock),
+            std::mem::take(&mut self.channel),
+            std::mem::take(&mut self.token),
+        );
+        let give_up = Instant::now() + self.lock_ttl;
+        self.tasks.spawn_on(
+            async move {
+                let abandon = || redis.abandon(&lock, &channel, &token);
+                match with_backoff(give_up, abandon).await {
+                    Ok(true) => tracing::info!(lock, "lock let go; its waiters elect again"),
+                    Ok(false) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, lock, "could not let go of the lock; it expires by itself")
+                    }
+                }
+            },
+            &runtime,
+        );
+    }
 }
 
 /// A lock attempt until Redis answers it (see [`ReadPath::try_lock`]).
@@ -69,6 +152,7 @@ impl<S: Source> ReadPath<S> {
         token: &str,
         seen: Option<u64>,
     ) -> Led {
+        let held = Held::new(self, keys, token);
         // Double-check, and the change fence. The previous leader may have
         // finished between our first GET and our SET NX (its lock gone, its
         // value in place): do not load twice. The fence is read before the
@@ -89,8 +173,12 @@ impl<S: Source> ReadPath<S> {
                     verdict.settle(Served::CoalescedRemote)
                 };
                 if let Some(done) = done {
-                    if let Err(error) = self.redis.release(&keys.lock, token).await {
-                        tracing::warn!(%error, "failed to release an unused lock; it expires by itself");
+                    match self.redis.release(&keys.lock, token).await {
+                        Ok(_) => held.handed_over(),
+                        // Dropped while held: let go in the background.
+                        Err(error) => {
+                            tracing::warn!(%error, "failed to release an unused lock; retrying")
+                        }
                     }
                     return Led::Done(done);
                 }
@@ -99,11 +187,19 @@ impl<S: Source> ReadPath<S> {
                 tracing::warn!(%error, "redis failed after taking the lock; loading anyway")
             }
         }
-        let entry = self.load_under_watchdog(key, &keys.lock, token).await;
+        let loaded = self.load_under_watchdog(key, &keys.lock, token).await;
         #[cfg(feature = "testkit")]
         if let Some(hook) = &self.settings.hooks.after_load {
             hook(keys.value.clone()).await;
         }
+        // Over MAX_ENTRY_BYTES: a marker is stored and published in its
+        // place (waiters elsewhere load it themselves), and this flight,
+        // with the requests that joined it here, is answered with the body.
+        let (entry, too_large) = self.to_store(loaded);
+        let answer = |published: Entry, too_large: Option<Entry>| match too_large {
+            Some(body) => Answer::new(body, Served::TooLarge),
+            None => Answer::new(published, Served::Miss),
+        };
         let s = &self.settings;
         let store = store_for(
             &entry,
@@ -124,6 +220,7 @@ impl<S: Source> ReadPath<S> {
             .await
         {
             Ok(finished) => {
+                held.handed_over();
                 if !finished.released {
                     // Our lock expired during the load and someone else took
                     // it: the finish left their lock alone (token check).
@@ -135,19 +232,19 @@ impl<S: Source> ReadPath<S> {
                 let Some(published) = finished.published else {
                     metrics::fenced();
                     tracing::debug!(%key, "a change was applied during the load: fenced");
-                    return Led::Fenced(entry);
+                    return Led::Fenced(too_large.unwrap_or(entry));
                 };
                 // Read before a cutoff raised meanwhile (`invalidate --all`,
                 // a truncate): stale already, as a change would have made it.
                 if published.read_at() < self.cutoff() {
                     metrics::fenced();
                     tracing::debug!(%key, "the cutoff was raised during the load: fenced");
-                    return Led::Fenced(entry);
+                    return Led::Fenced(too_large.unwrap_or(entry));
                 }
                 if entry.status() == Status::Failed && published.status() == Status::Found {
                     tracing::warn!(%key, "load failed; serving the stored copy");
                 }
-                Led::Done(Answer::new(published, Served::Miss))
+                Led::Done(answer(published, too_large))
             }
             Err(error) => {
                 // This flight is answered at once; the waiters elsewhere are
@@ -155,14 +252,14 @@ impl<S: Source> ReadPath<S> {
                 tracing::warn!(%error, "finish failed; retrying in the background");
                 let retry = Finish {
                     keys: keys.clone(),
-                    token: token.to_owned(),
+                    held,
                     entry: entry.clone(),
                     store,
                     fence,
                     cutoff,
                 };
                 self.finish_in_background(retry);
-                Led::Done(Answer::new(entry, Served::Miss))
+                Led::Done(answer(entry, too_large))
             }
         }
     }
@@ -201,13 +298,15 @@ impl<S: Source> ReadPath<S> {
         self.tasks.spawn(async move {
             // The first attempt has just failed.
             tokio::time::sleep(RETRY_FIRST).await;
-            let finish = || redis.finish(&f.keys, &f.token, &f.entry, f.store, &f.fence, f.cutoff);
+            let token = f.held.token();
+            let finish = || redis.finish(&f.keys, token, &f.entry, f.store, &f.fence, f.cutoff);
             match with_backoff(give_up, finish).await {
                 Ok(_) => tracing::info!(lock = f.keys.lock, "finished on a retry"),
                 Err(error) => {
                     tracing::warn!(%error, lock = f.keys.lock, "gave up finishing; the lock expires by itself")
                 }
             }
+            f.held.handed_over();
         });
     }
 

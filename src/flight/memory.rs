@@ -134,7 +134,8 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
         let Some(cache) = &self.cache else {
             return;
         };
-        let keepable = entry.status() != Status::Failed && !entry.is_backoff();
+        let keepable =
+            matches!(entry.status(), Status::Found | Status::NotFound) && !entry.is_backoff();
         if !keepable || !entry.is_fresh(now) || !self.serving.load(Ordering::SeqCst) {
             return;
         }

@@ -26,7 +26,9 @@
 //!
 //! Files by role: `memory.rs` (the in-process memory tier and its fencing
 //! against evictions), `freshness.rs` (pure verdicts and the store policy),
-//! `leader.rs`, `waiter.rs`, `refresh.rs`, `local.rs` (in-process flights),
+//! `leader.rs` (with the guard that lets go of a leader's lock when it
+//! vanishes), `waiter.rs`, `refresh.rs`, `local.rs` (in-process flights),
+//! `panics.rs` (a flight that panics answers 503, logged once with its key),
 //! `subscriber/` (the shared subscriber), `redis.rs` (the commands),
 //! `scripts.rs` (the Lua scripts, loaded on every connection), `apply.rs`
 //! (changes applied to the cache: fences, tombstones, the cutoff), `nodes.rs`
@@ -41,6 +43,7 @@ mod leader;
 mod local;
 mod memory;
 mod nodes;
+mod panics;
 mod redis;
 mod refresh;
 mod scripts;
@@ -116,6 +119,9 @@ pub enum Served {
     CoalescedRemote,
     /// Redis was skipped (failed, breaker open, or strategy `none`).
     Bypass,
+    /// Loaded from the source and not cached: the item is larger than
+    /// MAX_ENTRY_BYTES (a too-large marker is cached in its place).
+    TooLarge,
 }
 
 /// A found or not-found entry and how it was served. Never a failure: a
@@ -131,7 +137,9 @@ impl Answer {
     /// a fail-safe copy re-served after a failed load, whoever loaded it.
     pub fn new(entry: Entry, served: Served) -> Result<Self, ReadError> {
         let served = match entry.status() {
-            Status::Failed => return Err(ReadError::Unavailable),
+            // A marker is never an answer: its readers load the item (a
+            // bug that let one through would answer 503, not a wrong 404).
+            Status::Failed | Status::TooLarge => return Err(ReadError::Unavailable),
             _ if entry.is_backoff() => Served::Stale,
             _ => served,
         };
@@ -199,6 +207,7 @@ impl<S: Source> ReadPath<S> {
         subscriber: Arc<Subscriber>,
         settings: Settings,
     ) -> Arc<Self> {
+        panics::install_hook();
         let tasks = TaskTracker::new();
         let memory_bytes = if strategy::uses_memory(settings.strategy) {
             settings.memory_bytes
@@ -303,6 +312,13 @@ impl<S: Source> ReadPath<S> {
                 span.record("role", "failure_backoff");
                 return Err(ReadError::Unavailable);
             }
+            Verdict::TooLarge => {
+                // Hit-for-pass: one load per key in this process, no lock.
+                return Box::pin(
+                    self.in_flight(key, |this, key| async move { this.pass(&key).await }),
+                )
+                .await;
+            }
             Verdict::Miss => {}
         }
         // Boxed: a hit in Redis never makes it.
@@ -397,7 +413,11 @@ impl<S: Source> ReadPath<S> {
                     role = tracing::field::Empty,
                     load_ms = tracing::field::Empty
                 );
-                fly(this, key).instrument(span)
+                let named = key.clone();
+                let flight = fly(this, key);
+                // A panic answers 503; a leader's lock is let go as it unwinds.
+                async move { panics::caught(flight, &named, || Err(ReadError::Unavailable)).await }
+                    .instrument(span)
             })
             .await;
         let outcome = outcome.unwrap_or_else(|error| {
@@ -424,6 +444,53 @@ impl<S: Source> ReadPath<S> {
     async fn bypass(&self, key: &S::Key) -> Outcome {
         tracing::Span::current().record("role", "bypass");
         Answer::new(self.load_entry(key).await, Served::Bypass)
+    }
+
+    /// Loads an item a too-large marker names, straight from the source:
+    /// nothing is stored (the marker stays until a change or its expiry).
+    async fn pass(&self, key: &S::Key) -> Outcome {
+        tracing::Span::current().record("role", "pass");
+        let entry = self.load_entry(key).await;
+        let served = self.served_uncached(&entry);
+        Answer::new(entry, served)
+    }
+
+    /// How a loaded entry that is not stored is served: too large, or (it
+    /// shrank, or is gone) a plain bypass.
+    fn served_uncached(&self, entry: &Entry) -> Served {
+        if self.too_large(entry) {
+            Served::TooLarge
+        } else {
+            Served::Bypass
+        }
+    }
+
+    /// Whether `entry`'s body is over MAX_ENTRY_BYTES.
+    fn too_large(&self, entry: &Entry) -> bool {
+        entry.status() == Status::Found && entry.body().len() > self.settings.max_entry_bytes
+    }
+
+    /// What a leader stores and publishes for what it loaded: the entry
+    /// itself, or, for a body over MAX_ENTRY_BYTES, a too-large marker
+    /// (fresh as long as the entry) with the entry kept aside to answer
+    /// this flight.
+    fn to_store(&self, loaded: Entry) -> (Entry, Option<Entry>) {
+        if !self.too_large(&loaded) {
+            return (loaded, None);
+        }
+        metrics::too_large();
+        let fresh_for =
+            Duration::from_millis(loaded.fresh_until().saturating_sub(loaded.stored_at()));
+        let marker = Entry::stamped(
+            Status::TooLarge,
+            &[],
+            loaded.stored_at(),
+            loaded
+                .stored_at()
+                .saturating_add(fresh_for.as_millis() as u64),
+            loaded.load_time(),
+        );
+        (marker, Some(loaded))
     }
 
     async fn fail_open(&self, key: &S::Key, error: RedisError) -> Outcome {

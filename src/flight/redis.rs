@@ -537,6 +537,31 @@ impl RedisCommands {
         Ok(released == 1)
     }
 
+    /// Lets go of a lock a leader holds with `token` without finishing:
+    /// released, and [`RETRY`] published on `channel` for its waiters;
+    /// whether it was still held.
+    pub async fn abandon(
+        &self,
+        lock_key: &str,
+        channel: &str,
+        token: &str,
+    ) -> Result<bool, RedisError> {
+        let publish = if self.sharded { "SPUBLISH" } else { "PUBLISH" };
+        let released: i64 = self
+            .unrefused(lock_key, |c| async move {
+                let args: Vec<Value> = vec![
+                    Value::from(token),
+                    Value::from(channel),
+                    Value::from(publish),
+                    Value::Bytes(Bytes::from_static(RETRY)),
+                ];
+                let abandon = &self.scripts.abandon;
+                abandon.evalsha_with_reload(&c, vec![lock_key], args).await
+            })
+            .await?;
+        Ok(released == 1)
+    }
+
     /// Extends a lock to `ttl` if it still holds `token`.
     pub async fn extend(
         &self,

@@ -136,6 +136,21 @@ end
 return 0
 "#;
 
+/// A leader gone without finishing (its task panicked, or was dropped): its
+/// lock is released if it still holds the token, and [`RETRY`] published so
+/// that its waiters elect a new leader now rather than at the lock's expiry.
+/// KEYS[1] lock; ARGV[1] token, ARGV[2] channel, ARGV[3] the publish
+/// command (PUBLISH, or SPUBLISH on a cluster), ARGV[4] [`RETRY`].
+/// Returns 1 when released (and published).
+const ABANDON_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call(ARGV[3], ARGV[2], ARGV[4])
+  return 1
+end
+return 0
+"#;
+
 /// Extends a lock only if it still holds the given token (the watchdog).
 /// KEYS[1] lock; ARGV[1] token, ARGV[2] TTL ms. Returns 1 when extended.
 const EXTEND_LUA: &str = r#"
@@ -155,6 +170,7 @@ const LOAD_PATIENCE: Duration = Duration::from_secs(10);
 pub(super) struct Scripts {
     pub finish: Script,
     pub release: Script,
+    pub abandon: Script,
     pub extend: Script,
     pub apply: Script,
     pub raise_cutoff: Script,
@@ -165,16 +181,18 @@ impl Scripts {
         Self {
             finish: Script::from_lua(with_layout(FINISH_LUA)),
             release: Script::from_lua(RELEASE_LUA),
+            abandon: Script::from_lua(ABANDON_LUA),
             extend: Script::from_lua(EXTEND_LUA),
             apply: Script::from_lua(with_layout(APPLY_LUA)),
             raise_cutoff: Script::from_lua(RAISE_CUTOFF_LUA),
         }
     }
 
-    fn all(&self) -> [&Script; 5] {
+    fn all(&self) -> [&Script; 6] {
         [
             &self.finish,
             &self.release,
+            &self.abandon,
             &self.extend,
             &self.apply,
             &self.raise_cutoff,

@@ -41,6 +41,9 @@ pub struct Settings {
     pub max_stale: Duration,
     /// How long a failure is remembered (the backoff), fleet-wide (0 = off).
     pub failure_ttl: Duration,
+    /// Largest body cached; a larger one is served uncached (a too-large
+    /// marker is stored in its place).
+    pub max_entry_bytes: usize,
     /// The memory tier's byte budget (0 = off) and L1_TTL.
     pub memory_bytes: u64,
     pub memory_ttl: Duration,
@@ -83,6 +86,7 @@ impl Settings {
             early_refresh_beta: c.early_refresh_beta,
             max_stale: c.max_stale,
             failure_ttl: c.failure_ttl,
+            max_entry_bytes: c.max_entry_bytes,
             memory_bytes: c.l1_max_bytes,
             memory_ttl: c.l1_ttl,
             #[cfg(feature = "testkit")]

@@ -119,7 +119,9 @@ impl<S: Source> ReadPath<S> {
         match verdict {
             Verdict::Fresh(entry) => Ok(Answer::new(entry, Served::Hit)),
             Verdict::Backoff(entry) => Ok(Answer::new(entry, Served::Stale)),
-            Verdict::StaleInGrace(_) | Verdict::Failed | Verdict::Miss => Err(redis_up),
+            Verdict::StaleInGrace(_) | Verdict::Failed | Verdict::TooLarge | Verdict::Miss => {
+                Err(redis_up)
+            }
         }
     }
 
@@ -129,6 +131,9 @@ impl<S: Source> ReadPath<S> {
             return self.bypass(key).await;
         }
         let entry = self.load_entry(key).await;
+        if self.too_large(&entry) {
+            return Answer::new(entry, Served::TooLarge);
+        }
         if entry.status() != Status::Failed {
             let ttl = Duration::from_millis(entry.fresh_until().saturating_sub(entry.stored_at()));
             if let Err(error) = self.redis.store(&self.keys.value(key), &entry, ttl).await {

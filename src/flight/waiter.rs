@@ -25,7 +25,7 @@
 use std::time::{Duration, Instant};
 
 use super::{
-    freshness::judge,
+    freshness::{judge, Verdict},
     leader::{lock_token, Led},
     redis::LockTtl,
     scripts::RETRY,
@@ -109,7 +109,12 @@ impl<S: Source> ReadPath<S> {
                         Led::Fenced(entry) => {
                             fenced += 1;
                             if fenced >= FENCED_ROUNDS || Instant::now() >= deadline {
-                                return Answer::new(entry, Served::Miss);
+                                let served = if self.too_large(&entry) {
+                                    Served::TooLarge
+                                } else {
+                                    Served::Miss
+                                };
+                                return Answer::new(entry, served);
                             }
                             token = lock_token();
                             continue;
@@ -133,6 +138,10 @@ impl<S: Source> ReadPath<S> {
             match tokio::time::timeout_at(hard, self.redis.lookup(&keys.value)).await {
                 Ok(Ok(entry)) => {
                     let verdict = judge(entry, now_millis(), Duration::ZERO, self.cutoff());
+                    if verdict == Verdict::TooLarge {
+                        self.wait_ended(w, "too_large");
+                        return self.pass(key).await;
+                    }
                     if let Some(outcome) = verdict.settle(Served::CoalescedRemote) {
                         self.wait_ended(w, ended_by(&outcome, "recheck"));
                         return outcome;
@@ -148,6 +157,13 @@ impl<S: Source> ReadPath<S> {
             match tokio::time::timeout_at(hard, woken).await {
                 Ok(Ok(Woken::Message(entry))) => {
                     let verdict = judge(Some(entry), now_millis(), Duration::ZERO, self.cutoff());
+                    // The leader found the item too large to cache: load it
+                    // here, at once (one load per instance, not one per
+                    // waiter through the lock in turn).
+                    if verdict == Verdict::TooLarge {
+                        self.wait_ended(w, "too_large");
+                        return self.pass(key).await;
+                    }
                     if let Some(outcome) = verdict.settle(Served::CoalescedRemote) {
                         self.wait_ended(w, ended_by(&outcome, "message"));
                         return outcome;

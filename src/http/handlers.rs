@@ -28,6 +28,7 @@ const READINESS_TIMEOUT: Duration = Duration::from_secs(1);
 
 const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
 const X_CACHE_TIER: HeaderName = HeaderName::from_static("x-cache-tier");
+const X_CACHE_BYPASS: HeaderName = HeaderName::from_static("x-cache-bypass");
 /// RFC 7234 warning codes, kept as the marker of stale answers.
 pub const WARNING_STALE: &str = "110 - \"Response is Stale\"";
 pub const WARNING_REVALIDATION_FAILED: &str = "111 - \"Revalidation Failed\"";
@@ -184,6 +185,9 @@ pub(super) fn respond(
     );
     if let Some(tier) = served::hit_tier(answer.served) {
         headers.insert(X_CACHE_TIER, HeaderValue::from_static(tier));
+    }
+    if let Some(reason) = served::bypass_reason(answer.served) {
+        headers.insert(X_CACHE_BYPASS, HeaderValue::from_static(reason));
     }
     let max_age = entry.fresh_until().saturating_sub(now) / 1000;
     let age = now.saturating_sub(entry.stored_at()) / 1000;

@@ -92,6 +92,7 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
     };
     let x_cache = values(|s| Some(served::header(s)));
     let tiers = values(served::hit_tier);
+    let bypass_reasons = values(served::bypass_reason);
     let one_of = |values: Vec<&str>| {
         ObjectBuilder::new()
             .schema_type(Type::String)
@@ -111,7 +112,16 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
                 "How it was served: `hit` from the cache, `miss` loaded by this request, \
                  `coalesced` served by another request's load (in this process or another \
                  instance), `stale` a stale copy (refreshing in the background, or a fail-safe \
-                 copy while loads fail), `bypass` Redis skipped (down, or strategy `none`).",
+                 copy while loads fail), `bypass` Redis skipped (down, or strategy `none`, or \
+                 the post too large to cache: see `X-Cache-Bypass`).",
+            ),
+        ),
+        (
+            "X-Cache-Bypass",
+            header(
+                one_of(bypass_reasons).into(),
+                "Why a bypass skipped the cache, when not because Redis failed: `too-large`, \
+                 the post's JSON is over MAX_ENTRY_BYTES (served from PostgreSQL, never cached).",
             ),
         ),
         (

@@ -6,7 +6,7 @@ use crate::{cache::Status, flight::Served};
 
 /// Every way an answer is served: the values the OpenAPI document lists,
 /// and what the tests go through.
-pub const ALL: [Served; 7] = [
+pub const ALL: [Served; 8] = [
     Served::Memory,
     Served::Hit,
     Served::Stale,
@@ -14,6 +14,7 @@ pub const ALL: [Served; 7] = [
     Served::CoalescedLocal,
     Served::CoalescedRemote,
     Served::Bypass,
+    Served::TooLarge,
 ];
 
 /// The `X-Cache` header value.
@@ -23,7 +24,16 @@ pub fn header(served: Served) -> &'static str {
         Served::Stale => "stale",
         Served::Miss => "miss",
         Served::CoalescedLocal | Served::CoalescedRemote => "coalesced",
-        Served::Bypass => "bypass",
+        Served::Bypass | Served::TooLarge => "bypass",
+    }
+}
+
+/// The `X-Cache-Bypass` header: why a bypass skipped the cache, where
+/// that is not Redis failing.
+pub fn bypass_reason(served: Served) -> Option<&'static str> {
+    match served {
+        Served::TooLarge => Some("too-large"),
+        _ => None,
     }
 }
 
@@ -38,6 +48,7 @@ pub fn label(served: Served, status: Status) -> &'static str {
         (Served::CoalescedLocal, _) => "coalesced_local",
         (Served::CoalescedRemote, _) => "coalesced_remote",
         (Served::Bypass, _) => "bypass",
+        (Served::TooLarge, _) => "too_large",
     }
 }
 
@@ -56,7 +67,11 @@ pub fn tier_label(served: Served) -> &'static str {
     match served {
         Served::Memory => "memory",
         Served::Hit | Served::Stale => "redis",
-        Served::Miss | Served::CoalescedLocal | Served::CoalescedRemote | Served::Bypass => "none",
+        Served::Miss
+        | Served::CoalescedLocal
+        | Served::CoalescedRemote
+        | Served::Bypass
+        | Served::TooLarge => "none",
     }
 }
 

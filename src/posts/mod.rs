@@ -1,8 +1,11 @@
 //! The post: its type, its JSON and its SQL.
 
+mod timestamp;
+
 use serde::Serialize;
 use sqlx::PgPool;
-use time::OffsetDateTime;
+
+pub use timestamp::Timestamp;
 
 /// One row of `posts`, serialised as the body of `GET /posts/{id}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
@@ -12,12 +15,8 @@ pub struct Post {
     pub title: String,
     pub body: String,
     pub author: String,
-    /// RFC 3339.
-    #[serde(with = "time::serde::rfc3339")]
-    pub created_at: OffsetDateTime,
-    /// RFC 3339.
-    #[serde(with = "time::serde::rfc3339")]
-    pub updated_at: OffsetDateTime,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
 }
 
 /// Reads and writes posts in PostgreSQL.

@@ -42,6 +42,15 @@ pub const READS: &str = "postcache_reads_in_progress";
 pub const GARBAGE: &str = "postcache_garbage_total";
 /// Background refreshes by result: refreshed, lost (another holds the lock), failed.
 pub const REFRESHES: &str = "postcache_refreshes_total";
+/// Loads whose post was over MAX_ENTRY_BYTES: a too-large marker was
+/// stored in its place.
+pub const TOO_LARGE: &str = "postcache_too_large_total";
+/// Flights whose task panicked (answered 503; the lock let go at once).
+pub const FLIGHT_PANICS: &str = "postcache_flight_panics_total";
+/// Leader locks let go by their guard, not by a finish: the leader's task
+/// panicked or was dropped (the lock released, its waiters told to elect
+/// again at once).
+pub const LOCKS_ABANDONED: &str = "postcache_locks_abandoned_total";
 
 /// Leader finishes that stored nothing: a change was applied during the load.
 pub const FENCED: &str = "postcache_fenced_total";
@@ -55,6 +64,9 @@ pub const CHANGES_APPLIED: &str = "postcache_changes_applied_total";
 pub const CHANGE_LAG: &str = "postcache_change_lag_seconds";
 /// Times the change feed lost its connection and caught up from the outbox.
 pub const FEED_RECONNECTS: &str = "postcache_change_feed_reconnects_total";
+/// Changes the feed could not read (a row of the outbox it cannot decode),
+/// skipped, by why.
+pub const CHANGES_SKIPPED: &str = "postcache_changes_skipped_total";
 
 /// The memory tier: bytes kept (envelopes plus a fixed overhead per entry,
 /// the measure L1_MAX_BYTES bounds), entries, and whether it serves (0 while
@@ -87,6 +99,9 @@ pub const ALL: &[&str] = &[
     READS,
     GARBAGE,
     REFRESHES,
+    TOO_LARGE,
+    FLIGHT_PANICS,
+    LOCKS_ABANDONED,
     CONNECTIONS_OPEN,
     CONNECTIONS_REFUSED,
     CONNECTIONS_TIMED_OUT,
@@ -95,6 +110,7 @@ pub const ALL: &[&str] = &[
     CHANGES_APPLIED,
     CHANGE_LAG,
     FEED_RECONNECTS,
+    CHANGES_SKIPPED,
 ];
 
 /// Buckets for request, load and wait durations: 0.5 ms to 10 s.
@@ -158,6 +174,18 @@ fn describe() {
     describe_gauge!(READS, "Reads not yet answered, waiting ones included.");
     describe_counter!(GARBAGE, "Undecodable cache entries or ready messages met.");
     describe_counter!(REFRESHES, "Background refreshes by result.");
+    describe_counter!(
+        TOO_LARGE,
+        "Loads over MAX_ENTRY_BYTES: a too-large marker stored in their place."
+    );
+    describe_counter!(
+        FLIGHT_PANICS,
+        "Flights whose task panicked (answered 503, the lock let go at once)."
+    );
+    describe_counter!(
+        LOCKS_ABANDONED,
+        "Leader locks let go by their guard after a panic or a drop, not by a finish."
+    );
     describe_gauge!(CONNECTIONS_OPEN, "Client connections open.");
     describe_gauge!(
         MEMORY_BYTES,
@@ -186,6 +214,10 @@ fn describe() {
     describe_counter!(
         FEED_RECONNECTS,
         "Times the change feed lost its connection and caught up from the outbox."
+    );
+    describe_counter!(
+        CHANGES_SKIPPED,
+        "Changes the feed could not read, skipped, by why."
     );
     describe_counter!(
         CONNECTIONS_REFUSED,
@@ -217,6 +249,7 @@ pub(crate) const REQUEST_LABELS: &[(&str, &str)] = &[
     ("coalesced_local", "none"),
     ("coalesced_remote", "none"),
     ("bypass", "none"),
+    ("too_large", "none"),
     ("error", "none"),
 ];
 
@@ -311,6 +344,22 @@ pub fn garbage(kind: &'static str) {
 
 pub fn refresh(result: &'static str) {
     counter!(REFRESHES, "result" => result).increment(1);
+}
+
+pub fn too_large() {
+    counter!(TOO_LARGE).increment(1);
+}
+
+pub fn flight_panicked() {
+    counter!(FLIGHT_PANICS).increment(1);
+}
+
+pub fn lock_abandoned() {
+    counter!(LOCKS_ABANDONED).increment(1);
+}
+
+pub fn change_skipped(why: &'static str) {
+    counter!(CHANGES_SKIPPED, "why" => why).increment(1);
 }
 
 pub fn fenced() {

@@ -195,6 +195,41 @@ impl ServiceProcess {
         me
     }
 
+    /// Runs `postcache serve` with the environment `vars` until it exits,
+    /// for settings it must refuse: its exit status and output (stdout and
+    /// stderr), or `None` if it was still running after `limit` (killed).
+    pub async fn refused(
+        vars: &[(&str, String)],
+        limit: Duration,
+    ) -> Option<(std::process::ExitStatus, String)> {
+        let port = free_port();
+        let log = std::env::temp_dir().join(format!(
+            "postcache-refused-{port}-{}.log",
+            std::process::id()
+        ));
+        let file = std::fs::File::create(&log).unwrap();
+        let mut child = Command::new(Self::binary())
+            .arg("serve")
+            .env("LISTEN_ADDR", format!("127.0.0.1:{port}"))
+            .envs(vars.iter().map(|(k, v)| (k, v)))
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .expect("failed to start postcache");
+        let mut status = None;
+        eventually(limit, async || {
+            status = child.try_wait().unwrap();
+            status.is_some()
+        })
+        .await;
+        if status.is_none() {
+            kill(Some(child));
+        }
+        let output = std::fs::read_to_string(&log).unwrap_or_default();
+        let _ = std::fs::remove_file(&log);
+        status.map(|status| (status, output))
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()
     }

@@ -257,6 +257,7 @@ async fn the_openapi_document_is_served_with_the_caching_headers_of_reads() {
     for header in [
         "X-Cache",
         "X-Cache-Tier",
+        "X-Cache-Bypass",
         "ETag",
         "Cache-Control",
         "Age",

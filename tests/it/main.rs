@@ -12,6 +12,7 @@ mod freshness;
 mod guarantees;
 mod harness;
 mod memory;
+mod odd_rows;
 mod processes;
 mod restarts;
 mod scenarios;

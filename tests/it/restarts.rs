@@ -91,6 +91,10 @@ async fn a_redis_restarted_empty_under_load_costs_no_error_and_the_hit_ratio_is_
     assert_recovered(&record, fault, back);
 }
 
+/// The read path's scripts: finish, release, abandon, extend, apply, raise
+/// the cutoff.
+const SCRIPTS: u32 = 6;
+
 /// How many scripts a server holds.
 fn cached_scripts(info_memory: &str) -> Option<u32> {
     info_memory
@@ -108,7 +112,7 @@ async fn a_redis_that_comes_back_empty_is_given_the_scripts_before_any_request_n
     wait_until(
         "the scripts to be loaded at start",
         Duration::from_secs(5),
-        async || scripts(&redis) == Some(5),
+        async || scripts(&redis) == Some(SCRIPTS),
     )
     .await;
 
@@ -118,7 +122,7 @@ async fn a_redis_that_comes_back_empty_is_given_the_scripts_before_any_request_n
     wait_until(
         "the scripts to be loaded again",
         Duration::from_secs(2),
-        async || scripts(&redis) == Some(5),
+        async || scripts(&redis) == Some(SCRIPTS),
     )
     .await;
 
