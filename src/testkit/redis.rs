@@ -126,12 +126,36 @@ impl RedisServer {
 
     /// Starts (again) on the same port and waits until it answers.
     pub async fn restart(&mut self) {
-        self.kill();
-        self.child = Some(spawn_redis(&self.dir, &self.server_args));
-        wait_until("redis-server to start", A_WHILE, async || {
+        self.restart_with(&[]).await;
+        wait_until("redis-server to serve", A_WHILE, async || {
             self.cli(&["ping"]) == "PONG"
         })
         .await;
+    }
+
+    /// Starts (again) on the same port, with `extra` arguments this time
+    /// only, and waits until it answers anything (`LOADING`, say).
+    pub async fn restart_with(&mut self, extra: &[&str]) {
+        self.kill();
+        let args: Vec<String> = self
+            .server_args
+            .iter()
+            .cloned()
+            .chain(extra.iter().map(|a| a.to_string()))
+            .collect();
+        self.child = Some(spawn_redis(&self.dir, &args));
+        wait_until("redis-server to start", A_WHILE, async || {
+            !self.cli(&["ping"]).is_empty()
+        })
+        .await;
+    }
+
+    /// Starts one with `extra` arguments (`--replicaof …`, say) and waits
+    /// until it answers anything.
+    pub async fn start_with(extra: &[&str]) -> Self {
+        let mut server = Self::reserve();
+        server.restart_with(extra).await;
+        server
     }
 
     /// SIGKILL: the server vanishes mid-traffic.

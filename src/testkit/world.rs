@@ -81,7 +81,10 @@ impl TestEnv {
             .build()
             .unwrap();
         if redis_up {
-            redis.init().await.expect("failed to connect to Redis");
+            tokio::time::timeout(A_WHILE, redis.init())
+                .await
+                .expect("Redis did not answer")
+                .expect("failed to connect to Redis");
         } else {
             drop(redis.connect());
         }

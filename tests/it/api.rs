@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use postcache::{
     cache::{Jitter, Status},
-    testkit::{free_port, TableLock, TestEnv, PATIENT},
+    testkit::{free_port, wait_until, TableLock, TestEnv, A_WHILE, PATIENT},
 };
 
 #[tokio::test]
@@ -233,8 +233,13 @@ async fn a_request_in_flight_finishes_after_the_shutdown_signal() {
     let pending = app.http.spawn_get("/posts/1");
     env.until_held(std::slice::from_ref(&app), 1).await;
 
+    let addr = app.http.addr();
     let stopping = tokio::spawn(app.stop());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The shutdown has begun once the listener is closed.
+    wait_until("the listener to close", A_WHILE, async || {
+        tokio::net::TcpStream::connect(addr).await.is_err()
+    })
+    .await;
     lock.release().await;
 
     let (reply, _) = pending.await.expect("the request was answered");

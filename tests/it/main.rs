@@ -12,6 +12,7 @@ mod freshness;
 mod guarantees;
 mod harness;
 mod memory;
+mod not_serving;
 mod odd_rows;
 mod processes;
 mod restarts;

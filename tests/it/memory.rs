@@ -91,13 +91,12 @@ async fn a_memory_hit_is_never_served_past_l1_ttl() {
     let env = TestEnv::new(3).await;
     let app = env.spawn(&["--l1-ttl", "300ms"]).await;
     app.get("/posts/2").await;
-    let kept = Instant::now();
     let first = app.get("/posts/2").await;
+    // Past L1_TTL (the post stays fresh in Redis for CACHE_TTL, 60 s).
     tokio::time::sleep(Duration::from_millis(350)).await;
     let later = app.get("/posts/2").await;
     let again = app.get("/posts/2").await;
 
-    assert!(kept.elapsed() > Duration::from_millis(300));
     assert_eq!(first.tier(), Some("memory"));
     assert_eq!(
         (later.x_cache.as_deref(), later.tier()),

@@ -270,8 +270,7 @@ const FD_RESERVE: u64 = 256;
 /// warning, so that connections past it are refused rather than left in
 /// the listen queue by failing accepts.
 pub fn connection_cap(max_connections: usize, db_connections: u32) -> usize {
-    let reserve = FD_RESERVE + u64::from(db_connections);
-    let wanted = max_connections as u64 + reserve;
+    let wanted = fds_wanted(max_connections, db_connections);
     let limit = match rlimit::increase_nofile_limit(wanted) {
         Ok(limit) => limit,
         Err(e) => {
@@ -279,17 +278,33 @@ pub fn connection_cap(max_connections: usize, db_connections: u32) -> usize {
             return max_connections;
         }
     };
-    if limit >= wanted {
+    let cap = cap_within(max_connections, db_connections, limit);
+    if cap < max_connections {
+        tracing::warn!(
+            max_connections,
+            file_descriptor_limit = limit,
+            cap,
+            "the file-descriptor limit is below MAX_CONNECTIONS plus what else is kept open: connections capped lower"
+        );
+    }
+    cap
+}
+
+/// The file descriptors MAX_CONNECTIONS needs, with everything else.
+fn fds_wanted(max_connections: usize, db_connections: u32) -> u64 {
+    (max_connections as u64)
+        .saturating_add(FD_RESERVE)
+        .saturating_add(u64::from(db_connections))
+}
+
+/// MAX_CONNECTIONS, lowered to fit a file-descriptor limit of `limit`
+/// beside the reserve and the PostgreSQL pool (at least 1).
+fn cap_within(max_connections: usize, db_connections: u32, limit: u64) -> usize {
+    if limit >= fds_wanted(max_connections, db_connections) {
         return max_connections;
     }
-    let cap = limit.saturating_sub(reserve).max(1) as usize;
-    tracing::warn!(
-        max_connections,
-        file_descriptor_limit = limit,
-        cap,
-        "the file-descriptor limit is below MAX_CONNECTIONS plus {reserve}: connections capped lower"
-    );
-    cap
+    let reserve = FD_RESERVE + u64::from(db_connections);
+    limit.saturating_sub(reserve).max(1) as usize
 }
 
 #[cfg(test)]
@@ -330,18 +345,19 @@ mod tests {
         assert!(bytes <= 1024, "a request's future is {bytes} bytes");
     }
 
+    /// The arithmetic alone: the process's own limit is not touched.
     #[test]
-    fn the_cap_fits_the_file_descriptor_limit() {
-        let (soft, _) = rlimit::Resource::NOFILE.get().unwrap();
-        let huge = (soft as usize).saturating_mul(4);
-        // Unless the hard limit is far above the soft one, the cap comes down.
-        let cap = connection_cap(huge, 16);
-
-        let (limit, _) = rlimit::Resource::NOFILE.get().unwrap();
-        assert!(
-            cap == huge || cap as u64 + FD_RESERVE + 16 == limit || cap == 1,
-            "cap {cap} for a limit of {limit}"
-        );
-        assert_eq!(connection_cap(10, 16), 10);
+    fn the_cap_is_lowered_to_fit_the_file_descriptor_limit() {
+        let reserve = FD_RESERVE + 16;
+        // Room for all: kept.
+        assert_eq!(cap_within(10_000, 16, 10_000 + reserve), 10_000);
+        assert_eq!(cap_within(10_000, 16, 1 << 20), 10_000);
+        // One short: lowered to what fits beside the reserve and the pool.
+        assert_eq!(cap_within(10_000, 16, 10_000 + reserve - 1), 9_999);
+        assert_eq!(cap_within(10_000, 16, 1_024), 1_024 - reserve as usize);
+        // A limit below the reserve: one connection, never zero.
+        assert_eq!(cap_within(10_000, 16, 100), 1);
+        // No overflow, whatever the setting.
+        assert_eq!(cap_within(usize::MAX, u32::MAX, u64::MAX), usize::MAX);
     }
 }
