@@ -6,7 +6,7 @@ use anyhow::Context;
 use fred::{
     clients::SubscriberClient,
     prelude::*,
-    types::config::{Config as RedisConfig, ReconnectPolicy, ServerConfig},
+    types::config::{ClusterDiscoveryPolicy, Config as RedisConfig, ReconnectPolicy, ServerConfig},
 };
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::task::AbortOnDropHandle;
@@ -204,6 +204,17 @@ pub fn redis_config(url: &str) -> anyhow::Result<RedisConfig> {
         .map_err(|e| anyhow::anyhow!("invalid REDIS_URL: {}", e.kind().to_str()))?;
     // Redis down at start is not fatal: keep reconnecting, serve fail-open meanwhile.
     config.fail_fast = false;
+    // The topology is re-read from any node of the last one known, as well
+    // as from REDIS_URL's (whose names are resolved again each time). The
+    // client library's default asks REDIS_URL's nodes only: with one seed
+    // named, a failover of that seed was never seen, and its slots stayed
+    // on the dead node, bypassed, for good.
+    if config.server.is_clustered() {
+        config
+            .server
+            .set_cluster_discovery_policy(ClusterDiscoveryPolicy::UseCache)
+            .expect("a cluster's server settings");
+    }
     Ok(config)
 }
 
@@ -365,6 +376,11 @@ mod tests {
         );
         let config = redis_config("redis-cluster://127.0.0.1:7000,127.0.0.1:7001").unwrap();
         assert!(config.server.is_clustered());
+        // The topology is re-read from the nodes last seen, not only these.
+        let ServerConfig::Clustered { policy, .. } = &config.server else {
+            panic!("a cluster")
+        };
+        assert_eq!(*policy, ClusterDiscoveryPolicy::UseCache);
         assert!(!redis_config("redis://127.0.0.1:6379")
             .unwrap()
             .server

@@ -195,6 +195,16 @@ impl Nodes {
         &self.default.client
     }
 
+    /// The clients of a cluster's primaries, as last seen (none for a
+    /// single Redis, or before the topology is known).
+    pub fn primary_clients(&self) -> Vec<Client> {
+        self.routes()
+            .nodes
+            .values()
+            .map(|node| node.client.clone())
+            .collect()
+    }
+
     /// Follows a new cluster topology: each slot range to its primary, with
     /// a new client for a primary not seen before. Returns the nodes it
     /// made, and those that left (their clients are the caller's to QUIT).

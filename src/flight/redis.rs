@@ -620,13 +620,31 @@ impl RedisCommands {
         })
     }
 
-    /// PING, for readiness (bypasses the breaker: readiness must see the truth).
+    /// PING, for readiness (bypasses the breaker: readiness must see the
+    /// truth). On a cluster, each primary through its own client, at once:
+    /// the cluster serves while any of them answers (the slots of one that
+    /// does not fail open, and its breaker says so). Through the cluster
+    /// client it would wait out a failover: that client holds every
+    /// command until all its primaries answer.
     pub async fn ping(&self) -> Result<(), RedisError> {
-        let ping = self.nodes.default_client().ping::<()>(None);
-        match tokio::time::timeout(self.timeout, ping).await {
-            Ok(result) => Ok(result?),
-            Err(_) => Err(RedisError::Timeout(self.timeout)),
+        let ping = |client: Client| async move {
+            match tokio::time::timeout(self.timeout, client.ping::<()>(None)).await {
+                Ok(result) => Ok(result?),
+                Err(_) => Err(RedisError::Timeout(self.timeout)),
+            }
+        };
+        let primaries = self.nodes.primary_clients();
+        if primaries.is_empty() {
+            return ping(self.nodes.default_client().clone()).await;
         }
+        let mut last = None;
+        for result in futures::future::join_all(primaries.into_iter().map(ping)).await {
+            match result {
+                Ok(()) => return Ok(()),
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(last.expect("at least one primary was asked"))
     }
 }
 

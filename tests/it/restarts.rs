@@ -172,15 +172,28 @@ struct Sharded {
     load: SteadyLoad,
 }
 
+/// Which nodes REDIS_URL names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Seeds {
+    /// Every node.
+    All,
+    /// Only the master that will fail (as many write it: one service name).
+    TheVictim,
+}
+
 impl Sharded {
-    async fn under_load(replicas: usize) -> Self {
+    async fn under_load(replicas: usize, seeds: Seeds) -> Self {
         let cluster = RedisCluster::start(3, replicas).await;
         let env = TestEnv::with_redis(POSTS, cluster.url()).await;
+        let victim = cluster.master_of(&env.keys.value(1));
+        let url = match seeds {
+            Seeds::All => cluster.url(),
+            Seeds::TheVictim => format!("redis-cluster://127.0.0.1:{victim}"),
+        };
         // Without the memory tier: what is measured is which requests reach
         // which Redis node, and the tier would answer most of them first.
-        let flags = [FLAGS, &["--l1-max-bytes", "0"]].concat();
+        let flags = [FLAGS, &["--l1-max-bytes", "0", "--redis-url", &url]].concat();
         let apps = join_all((0..3).map(|_| env.spawn(&flags))).await;
-        let victim = cluster.master_of(&env.keys.value(1));
         let on_victim = (1..=POSTS as i64)
             .filter(|&id| cluster.master_of(&env.keys.value(id)) == victim)
             .collect();
@@ -219,7 +232,7 @@ async fn a_stalled_cluster_master_bypasses_its_own_keys_only() {
         on_victim,
         load,
         _apps,
-    } = Sharded::under_load(0).await;
+    } = Sharded::under_load(0, Seeds::All).await;
 
     let fault = Instant::now();
     cluster.cli(victim, &["client", "pause", "2000", "all"]);
@@ -245,8 +258,9 @@ async fn a_stalled_cluster_master_bypasses_its_own_keys_only() {
     );
     eprintln!("{report}");
     assert!(!on_victim.is_empty() && on_victim.len() < POSTS as usize);
+    // All of them but those answered before the pause took hold.
     assert!(
-        bypassed(&there) > 0.5,
+        bypassed(&there) >= 0.9,
         "the stalled shard's keys fail open: {report}"
     );
     assert!(bypassed(&elsewhere) < 0.05, "{report}");
@@ -261,14 +275,40 @@ async fn a_stalled_cluster_master_bypasses_its_own_keys_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn when_a_cluster_master_fails_over_other_shards_keep_caching_and_its_slots_resume_within_two_seconds(
 ) {
+    fails_over(Seeds::All).await;
+}
+
+/// The same when the master that dies is the only node REDIS_URL names, and
+/// it never comes back: the topology is refreshed from the nodes the
+/// cluster knows, not only from REDIS_URL's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn when_the_seed_master_fails_over_and_never_returns_its_slots_resume_within_two_seconds() {
+    fails_over(Seeds::TheVictim).await;
+}
+
+async fn fails_over(seeds: Seeds) {
     let Sharded {
         mut cluster,
         env,
         victim,
         on_victim,
         load,
-        _apps,
-    } = Sharded::under_load(1).await;
+        _apps: apps,
+    } = Sharded::under_load(1, seeds).await;
+    // Readiness through the failover, every 100 ms, on one instance.
+    let (stop_readiness, mut stopped) = tokio::sync::watch::channel(false);
+    let readiness = {
+        let http = apps[0].http.clone();
+        tokio::spawn(async move {
+            let mut seen = Vec::new();
+            while !*stopped.borrow_and_update() {
+                let reply = http.get("/readyz").await;
+                seen.push((reply.status, reply.json()["redis"].to_string()));
+                let _ = tokio::time::timeout(Duration::from_millis(100), stopped.changed()).await;
+            }
+            seen
+        })
+    };
 
     let fault = Instant::now();
     cluster.kill(victim);
@@ -285,6 +325,12 @@ async fn when_a_cluster_master_fails_over_other_shards_keep_caching_and_its_slot
     let promoted = Instant::now();
     tokio::time::sleep(Duration::from_secs(4)).await;
     let record = load.stop().await;
+    stop_readiness.send_replace(true);
+    let ready = readiness.await.unwrap();
+    let mut breakers = Vec::new();
+    for app in &apps {
+        breakers.push(app.http.metric("postcache_redis_breaker_state").await);
+    }
 
     assert_no_failure(&record);
     let (there, elsewhere) = split(&record, fault, promoted, &on_victim);
@@ -295,9 +341,18 @@ async fn when_a_cluster_master_fails_over_other_shards_keep_caching_and_its_slot
         from + Duration::from_secs(2),
         &HashSet::new(),
     );
+    let mut readiness: Vec<(String, usize)> = Vec::new();
+    for (status, redis) in &ready {
+        let seen = format!("{status} {}", redis.trim_matches('"'));
+        match readiness.iter_mut().find(|(s, _)| *s == seen) {
+            Some((_, n)) => *n += 1,
+            None => readiness.push((seen, 1)),
+        }
+    }
     let report = format!(
         "failover took {:?}; while it ran, bypassed: {:.1}% of the failed shard's requests, \
-         {:.1}% of the others'; from 2 s after the promotion: {:.1}%; the first 2 s: {:?}",
+         {:.1}% of the others'; from 2 s after the promotion: {:.1}%; the first 2 s: {:?}; \
+         /readyz every 100 ms: {readiness:?}",
         promoted - fault,
         100.0 * bypassed(&there),
         100.0 * bypassed(&elsewhere),
@@ -307,5 +362,20 @@ async fn when_a_cluster_master_fails_over_other_shards_keep_caching_and_its_slot
     eprintln!("{report}");
     assert!(!on_victim.is_empty() && on_victim.len() < POSTS as usize);
     assert!(bypassed(&elsewhere) < 0.05, "{report}");
-    assert!(bypassed(&after) < 0.05, "{report}");
+    for instance in 0..apps.len() {
+        let theirs: Vec<&Sample> = after
+            .iter()
+            .copied()
+            .filter(|s| s.instance == instance)
+            .collect();
+        assert!(bypassed(&theirs) < 0.05, "instance {instance}: {report}");
+    }
+    assert_eq!(
+        breakers,
+        [0.0, 0.0, 0.0],
+        "the dead master's breakers retired"
+    );
+    // Ready throughout (`circuit_open` while the dead master's breaker is).
+    assert!(ready.len() > 20, "{ready:?}");
+    assert!(ready.iter().all(|(status, _)| *status == 200), "{ready:?}");
 }
