@@ -56,6 +56,8 @@ async fn with_redis_down_at_start_requests_bypass_and_caching_resumes_when_it_re
         "{down:?}"
     );
     assert_eq!((again[0].1.as_str(), again[1].1.as_str()), ("miss", "hit"));
+    // The hit may be the memory tier's: the miss stored it in Redis too.
+    assert!(env.stored(12).await.is_some(), "stored in Redis");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -300,11 +302,13 @@ async fn a_request_past_request_timeout_gets_503_and_its_load_still_lands() {
         took >= Duration::from_millis(300) && took < Duration::from_secs(2),
         "{took:?}"
     );
-    // The flight was not the request's: it finished and stored the post.
+    // The flight was not the request's: it finished and stored the post
+    // (in Redis, not only in the memory tier).
     wait_until("the load to land", Duration::from_secs(10), async || {
         app.get("/posts/6").await.x_cache.as_deref() == Some("hit")
     })
     .await;
+    assert!(env.stored(6).await.is_some(), "stored in Redis");
 }
 
 /// Sends a raw HTTP/1.1 request and returns the status code (0 if the
