@@ -196,8 +196,13 @@ impl<S: Source> ReadPath<S> {
         // place (waiters elsewhere load it themselves), and this flight,
         // with the requests that joined it here, is answered with the body.
         let (entry, too_large) = self.to_store(loaded);
-        let answer = |published: Entry, too_large: Option<Entry>| match too_large {
+        let answer = |published: Entry, ours: &Entry, too_large: Option<Entry>| match too_large {
             Some(body) => Answer::new(body, Served::TooLarge),
+            // A marker another leader stored (our lock had expired): we
+            // hold the row, serve it.
+            None if published.status() == Status::TooLarge => {
+                Answer::new(ours.clone(), self.served_uncached(ours))
+            }
             None => Answer::new(published, Served::Miss),
         };
         let s = &self.settings;
@@ -244,7 +249,7 @@ impl<S: Source> ReadPath<S> {
                 if entry.status() == Status::Failed && published.status() == Status::Found {
                     tracing::warn!(%key, "load failed; serving the stored copy");
                 }
-                Led::Done(answer(published, too_large))
+                Led::Done(answer(published, &entry, too_large))
             }
             Err(error) => {
                 // This flight is answered at once; the waiters elsewhere are
@@ -259,7 +264,7 @@ impl<S: Source> ReadPath<S> {
                     cutoff,
                 };
                 self.finish_in_background(retry);
-                Led::Done(answer(entry, too_large))
+                Led::Done(answer(entry.clone(), &entry, too_large))
             }
         }
     }

@@ -274,7 +274,7 @@ mod tests {
                 "/readyz"
             ]
         );
-        for schema in ["Post", "ErrorBody", "Readiness", "Health"] {
+        for schema in ["Post", "Timestamp", "ErrorBody", "Readiness", "Health"] {
             assert!(doc["components"]["schemas"][schema].is_object(), "{schema}");
         }
     }
