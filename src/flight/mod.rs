@@ -479,15 +479,11 @@ impl<S: Source> ReadPath<S> {
             return (loaded, None);
         }
         metrics::too_large();
-        let fresh_for =
-            Duration::from_millis(loaded.fresh_until().saturating_sub(loaded.stored_at()));
         let marker = Entry::stamped(
             Status::TooLarge,
             &[],
             loaded.stored_at(),
-            loaded
-                .stored_at()
-                .saturating_add(fresh_for.as_millis() as u64),
+            loaded.fresh_until(),
             loaded.load_time(),
         );
         (marker, Some(loaded))
