@@ -5,7 +5,8 @@
 //! timeouts open it. Open: commands are refused without touching Redis for
 //! BREAKER_COOLDOWN. Half-open: one command (the probe) passes; its success
 //! closes the breaker, its failure opens it for another cooldown. A new
-//! connection that took the scripts closes it at once (`scripts.rs`).
+//! connection that took the scripts and answers a keyed read closes it at
+//! once (`scripts.rs`).
 //!
 //! The probe is a [`Permit`]: a command's future may be dropped at any await
 //! (its client went away), and a probe that ends without a verdict must not

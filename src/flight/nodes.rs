@@ -72,15 +72,27 @@ impl Node {
 
     /// Starts the upkeep of this node's connections; before the client
     /// connects, so that its first connection is seen too.
-    fn keep(self: &Arc<Self>, scripts: &Scripts, timeout: Duration) {
+    fn keep(self: &Arc<Self>, scripts: &Scripts, timeout: Duration, of_cluster: bool) {
         let node = Arc::downgrade(self);
         let reconnects = self.client.reconnect_rx();
         let client = self.client.clone();
-        let task = scripts::keep_loaded(scripts.clone(), client, reconnects, timeout, move |_| {
-            if let Some(node) = node.upgrade() {
-                node.breaker.reconnected();
-            }
-        });
+        let kind = if of_cluster {
+            scripts::Server::ClusterNode
+        } else {
+            scripts::Server::Single
+        };
+        let task = scripts::keep_loaded(
+            scripts.clone(),
+            client,
+            kind,
+            reconnects,
+            timeout,
+            move |_| {
+                if let Some(node) = node.upgrade() {
+                    node.breaker.reconnected();
+                }
+            },
+        );
         self.hold(AbortOnDropHandle::new(tokio::spawn(task)));
     }
 
@@ -291,7 +303,7 @@ pub fn keep(
     timeout: Duration,
 ) -> Option<AbortOnDropHandle<()>> {
     if nodes.connect.is_none() {
-        nodes.default.keep(&scripts, timeout);
+        nodes.default.keep(&scripts, timeout, false);
         return None;
     }
     let follow = follow_topology(Arc::downgrade(nodes), scripts, timeout);
@@ -312,7 +324,7 @@ async fn follow_topology(nodes: Weak<Nodes>, scripts: Scripts, timeout: Duration
         if let Some(state) = strong.default.client.cached_cluster_state() {
             let (made, left) = strong.route(state.slots());
             for node in made {
-                node.keep(&scripts, timeout);
+                node.keep(&scripts, timeout, true);
                 node.connect();
             }
             for node in left {

@@ -159,7 +159,7 @@ fn ms(d: Duration) -> i64 {
 /// reply that means "not now" (loading, a read-only replica, a master down,
 /// a busy script, a cluster down or mid-resharding). Other error replies
 /// prove Redis up.
-fn is_outage(e: &fred::error::Error) -> bool {
+pub(super) fn is_outage(e: &fred::error::Error) -> bool {
     if is_redirect(e) {
         return false;
     }
@@ -232,6 +232,12 @@ impl RedisCommands {
     /// Whether every circuit breaker in use lets commands through.
     pub fn breaker_closed(&self) -> bool {
         self.nodes.state() == State::Closed
+    }
+
+    /// The state of the breaker of `key`'s node, as the metric shows it:
+    /// 0 closed, 1 open, 2 half-open.
+    pub fn breaker_state_of(&self, key: &str) -> u8 {
+        self.nodes.for_key(key).breaker.state() as u8
     }
 
     /// Puts the breakers' state in the metrics (before they are rendered).

@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 
 use fred::{
     prelude::*,
-    types::{config::Server, scripts::Script},
+    types::{config::Server as RedisServer, scripts::Script},
 };
 use tokio::sync::broadcast;
 
-use super::redis::{with_backoff, RedisError};
+use super::redis::{is_outage, with_backoff, RedisError};
 use crate::cache::entry;
 
 /// The leader's finish, in one round trip, fenced by the lock and by the
@@ -160,6 +160,19 @@ end
 return 0
 "#;
 
+/// What a client of the read path is connected to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Server {
+    /// One Redis (or the cluster client, which routes by itself).
+    Single,
+    /// One node of a Redis Cluster, through a client of its own.
+    ClusterNode,
+}
+
+/// The key a reconnected node is asked about (EXISTS), to see that it
+/// serves keyed commands; nothing writes it.
+const SERVING_PROBE: &str = "postcache:serving-probe";
+
 /// How long a reconnect keeps trying to load the scripts (a server still
 /// loading its data refuses them for a while); after that, EVALSHA's reload
 /// on NOSCRIPT takes over.
@@ -201,7 +214,11 @@ impl Scripts {
 
     /// SCRIPT LOAD of every script on `server`: the node that just
     /// connected on a cluster, the one server otherwise.
-    async fn load_on(&self, client: &Client, server: &Server) -> Result<(), fred::error::Error> {
+    async fn load_on(
+        &self,
+        client: &Client,
+        server: &RedisServer,
+    ) -> Result<(), fred::error::Error> {
         let options = fred::types::config::Options {
             cluster_node: client.is_clustered().then(|| server.clone()),
             ..Default::default()
@@ -214,6 +231,43 @@ impl Scripts {
         Ok(())
     }
 
+    /// Whether `server` serves keyed commands: a new connection alone does
+    /// not prove it. The client library reconnects after a CLUSTERDOWN, and
+    /// a server loading its data, or a replica that lost its master, takes
+    /// connections and scripts; each refuses keyed commands. A cluster node
+    /// must say `cluster_state:ok` first (asked without a key: a keyed
+    /// command answered CLUSTERDOWN would make the client reconnect again,
+    /// for ever); then it, or a single server, must answer EXISTS of a key
+    /// nobody writes (a redirect, MOVED or ASK, proves it serves).
+    async fn serves(
+        client: &Client,
+        kind: Server,
+        server: &RedisServer,
+        timeout: Duration,
+    ) -> bool {
+        let options = fred::types::config::Options {
+            cluster_node: client.is_clustered().then(|| server.clone()),
+            ..Default::default()
+        };
+        let node = client.with_options(&options);
+        let check = async {
+            if kind == Server::ClusterNode {
+                let info: String = node.cluster_info().await?;
+                if !info.contains("cluster_state:ok") {
+                    return Ok(false);
+                }
+            }
+            match node.exists::<i64, _>(SERVING_PROBE).await {
+                Ok(_) => Ok(true),
+                Err(error) => Ok(!is_outage(&error)),
+            }
+        };
+        matches!(
+            tokio::time::timeout(timeout, check).await,
+            Ok(Ok::<bool, fred::error::Error>(true))
+        )
+    }
+
     /// SCRIPT LOAD of every script on every primary.
     async fn load_everywhere(&self, client: &Client) -> Result<(), fred::error::Error> {
         for script in self.all() {
@@ -224,16 +278,17 @@ impl Scripts {
 }
 
 /// Loads the scripts on each connection of `client` as it is (re)established
-/// (`reconnects`, taken from the client before it connects), then calls
-/// `loaded` with the server (which then closes its breaker: a server that
-/// took them answers). Runs until aborted; a connection made before the
-/// receiver was taken is covered by a first load everywhere.
+/// (`reconnects`, taken from the client before it connects), then, if the
+/// server answers a keyed read, calls `loaded` with it (which then closes
+/// its breaker: it serves). Runs until aborted; a connection made before
+/// the receiver was taken is covered by a first load everywhere.
 pub(super) async fn keep_loaded(
     scripts: Scripts,
     client: Client,
-    mut reconnects: broadcast::Receiver<Server>,
+    kind: Server,
+    mut reconnects: broadcast::Receiver<RedisServer>,
     timeout: Duration,
-    loaded: impl Fn(&Server) + Send + 'static,
+    loaded: impl Fn(&RedisServer) + Send + 'static,
 ) {
     if client.is_connected() {
         let _ = tokio::time::timeout(timeout, scripts.load_everywhere(&client)).await;
@@ -263,7 +318,14 @@ pub(super) async fn keep_loaded(
             Ok(()) => {
                 tracing::debug!(?server, "scripts loaded on a new connection");
                 if let Some(server) = &server {
-                    loaded(server);
+                    if Scripts::serves(&client, kind, server, timeout).await {
+                        loaded(server);
+                    } else {
+                        tracing::debug!(
+                            ?server,
+                            "reconnected but not serving; the breaker probes as usual"
+                        );
+                    }
                 }
             }
             Err(error) => {
