@@ -3,8 +3,10 @@
 //!
 //! ```text
 //! cargo build --release && cargo run --release --example change_feed [-- 1000]
+//! CHANGE_FEED=trigger cargo run --release --example change_feed
 //! ```
 //!
+//! CHANGE_FEED (default `replication`) is passed to the instances.
 //! Starts a private redis-server and three release instances
 //! (`target/release/postcache`, or POSTCACHE_BIN) over 1,000 posts, runs a
 //! Zipf(1.1) read load over them (about 1,000 requests/s), and commits N
@@ -14,7 +16,10 @@
 //! version (the time from the commit to that response is the figure), then
 //! ten more times: any older version then is counted (it must be 0). Last,
 //! with the load stopped, the Redis commands the instances send per change
-//! (seen by MONITOR, less what they send with no change over as long).
+//! (seen by MONITOR, less what they send with no change over as long), and
+//! the transactions the fleet runs on PostgreSQL per change (from
+//! `pg_stat_database`, less the updates themselves and what runs with no
+//! change over as long).
 
 use std::{
     collections::HashMap,
@@ -139,8 +144,12 @@ async fn main() {
         .map_or(1000, |s| s.parse().expect("N"));
     let redis = RedisServer::start().await;
     let env = TestEnv::with_redis(POSTS, redis.url()).await;
-    let quiet_logs = [("RUST_LOG", "warn".to_owned())];
-    let fleet = join_all((0..INSTANCES).map(|_| env.start_process(&quiet_logs))).await;
+    let mode = std::env::var("CHANGE_FEED").unwrap_or_else(|_| "replication".into());
+    let vars = [
+        ("RUST_LOG", "warn".to_owned()),
+        ("CHANGE_FEED", mode.clone()),
+    ];
+    let fleet = join_all((0..INSTANCES).map(|_| env.start_process(&vars))).await;
     let https: Vec<Http> = fleet.iter().map(|s| s.http.clone()).collect();
     for id in 1..=HOT {
         for http in &https {
@@ -178,7 +187,9 @@ async fn main() {
     // Redis commands per change, with the load stopped: less what the
     // instances send in as long with no change at all.
     let quiet = Duration::from_secs(3);
+    let xacts_before = transactions(&env).await;
     let (background, _) = sent_while(&redis, tokio::time::sleep(quiet)).await;
+    let xacts_idle = transactions(&env).await - xacts_before;
     let (sent, evalsha) = sent_while(&redis, async {
         let started = Instant::now();
         for n in 0..QUIET_CHANGES {
@@ -187,8 +198,13 @@ async fn main() {
         tokio::time::sleep(quiet.saturating_sub(started.elapsed())).await;
     })
     .await;
+    let xacts_changing = transactions(&env).await - xacts_before - xacts_idle;
     let per_change = |calls: u64| calls as f64 / QUIET_CHANGES as f64 / INSTANCES as f64;
+    // The updates are transactions too (each its own).
+    let fleet_xacts =
+        (xacts_changing - xacts_idle - QUIET_CHANGES).max(0) as f64 / QUIET_CHANGES as f64;
 
+    println!("CHANGE_FEED={mode}, {INSTANCES} instances\n");
     println!(
         "| instance | changes | fresh after commit, p50 (ms) | p99 | max | never fresh within {}s | older version after the new one |",
         PROBE_LIMIT.as_secs()
@@ -231,4 +247,21 @@ async fn main() {
         per_change(evalsha),
         quiet.as_secs(),
     );
+    println!(
+        "PostgreSQL transactions the whole fleet ran per change, with the load stopped: \
+         {fleet_xacts:.2} (less the update itself and {xacts_idle} run in {}s with no change; \
+         the replication stream is not a transaction).",
+        quiet.as_secs()
+    );
+}
+
+/// Transactions committed in the world's database so far (the statistics
+/// are flushed within a second: waited for).
+async fn transactions(env: &TestEnv) -> i64 {
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sqlx::query_scalar("select xact_commit from pg_stat_database where datname = $1")
+        .bind(&env.db_name)
+        .fetch_one(&env.admin)
+        .await
+        .unwrap()
 }

@@ -152,9 +152,13 @@ pub struct ServeArgs {
     #[arg(long, env = "IDLE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub idle_timeout: Duration,
 
-    /// `on`: changes to `posts` in PostgreSQL, by any writer, invalidate the
-    /// cache fleet-wide within milliseconds; `off`: the TTLs alone.
-    #[arg(long, env = "CHANGE_FEED", value_enum, default_value_t = ChangeFeed::On)]
+    /// How changes to `posts` in PostgreSQL, by any writer, invalidate the
+    /// cache fleet-wide within milliseconds: `replication` (logical
+    /// replication, one decoder per fleet; writers untouched), `trigger`
+    /// (the outbox trigger; `on` is its alias), `off` (the TTLs alone), or
+    /// `auto`: replication where the server's `wal_level` is `logical`,
+    /// else trigger.
+    #[arg(long, env = "CHANGE_FEED", value_enum, default_value_t = ChangeFeed::Auto)]
     pub change_feed: ChangeFeed,
 
     /// How long the change outbox (`post_changes`) keeps a change.
@@ -168,10 +172,17 @@ pub struct ServeArgs {
     pub max_connections: usize,
 }
 
-/// Whether the service follows changes made in PostgreSQL.
+/// Whether and how the service follows changes made in PostgreSQL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ChangeFeed {
-    On,
+    /// `replication` where `wal_level` is `logical`, else `trigger`.
+    Auto,
+    /// Logical replication: one decoder per fleet, fanned out through Redis.
+    Replication,
+    /// The outbox trigger (`post_changes`), followed by every instance.
+    #[value(alias = "on")]
+    Trigger,
+    /// The TTLs alone.
     Off,
 }
 
@@ -503,9 +514,26 @@ mod tests {
         assert_eq!(s.header_read_timeout, Duration::from_secs(10));
         assert_eq!(s.idle_timeout, Duration::from_secs(60));
         assert_eq!(s.max_connections, 10_000);
-        assert_eq!(s.change_feed, ChangeFeed::On);
+        assert_eq!(s.change_feed, ChangeFeed::Auto);
         assert_eq!(s.change_retention, Duration::from_secs(3600));
         s.validate().expect("defaults are consistent");
+    }
+
+    #[test]
+    fn change_feed_modes_parse_and_on_is_the_trigger_mode() {
+        let mode = |value: &str| {
+            let cli = Cli::try_parse_from(["postcache", "serve", "--change-feed", value]);
+            cli.map(|cli| match cli.command {
+                Command::Serve(s) => s.change_feed,
+                _ => unreachable!(),
+            })
+        };
+        assert_eq!(mode("replication").unwrap(), ChangeFeed::Replication);
+        assert_eq!(mode("trigger").unwrap(), ChangeFeed::Trigger);
+        assert_eq!(mode("on").unwrap(), ChangeFeed::Trigger);
+        assert_eq!(mode("off").unwrap(), ChangeFeed::Off);
+        assert_eq!(mode("auto").unwrap(), ChangeFeed::Auto);
+        assert!(mode("sometimes").is_err());
     }
 
     #[test]

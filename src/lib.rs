@@ -16,7 +16,10 @@
 //! - [`flight`] — the read path: in-process flight, lock with token, shared
 //!   subscriber, per strategy. Generic over what it loads.
 //! - [`changes`] — the change feed: PostgreSQL's changes to `posts`, by any
-//!   writer, invalidate the cache fleet-wide (outbox, LISTEN, catch-up).
+//!   writer, invalidate the cache fleet-wide: logical replication with one
+//!   decoder per fleet fanned out through a Redis Stream (`replication`,
+//!   `fanout`, `pgoutput`), or the outbox trigger (`outbox`, LISTEN,
+//!   catch-up).
 //! - [`db`] — the PostgreSQL pools and the embedded migrations.
 //! - [`cli`] — `seed` (streamed, with progress), `invalidate`, `inspect`.
 //! - `testkit` (feature `testkit`) — test support shared by tests and examples.

@@ -20,6 +20,7 @@ pub static malloc_conf: &[u8] = b"background_thread:true,dirty_decay_ms:5000,muz
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     postcache::telemetry::init(cli.log_format);
+    postcache::startup::install_tls_provider();
     match cli.command {
         Command::Migrate(db) => {
             postcache::db::migrate(&db).await?;

@@ -77,6 +77,7 @@ impl Application {
     }
 
     async fn build_with(args: ServeArgs, settings: flight::Settings) -> anyhow::Result<Self> {
+        install_tls_provider();
         args.validate()?;
         if !args.no_migrate {
             db::migrate(&args.database).await?;
@@ -99,6 +100,7 @@ impl Application {
             args.change_feed,
             &args.database,
             args.change_retention,
+            &c.key_prefix,
             read_path.clone(),
         )
         .await?;
@@ -353,6 +355,13 @@ pub async fn shutdown_signal() {
         () = terminate => {},
     }
     tracing::info!("shutdown signal received");
+}
+
+/// Makes ring the process's TLS provider (fred, sqlx and the replication
+/// connection all use rustls; with two providers compiled in, rustls would
+/// not choose). Idempotent.
+pub fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 #[cfg(test)]

@@ -89,6 +89,13 @@ impl Keys {
         format!("{}{{{}-changes}}:cutoffs-applied", self.prefix, self.kind)
     }
 
+    /// `P` + `{post-changes}:stream`: the Redis Stream on which the
+    /// decoder of CHANGE_FEED=replication tells every instance what changed
+    /// (see `changes/fanout.rs`).
+    pub fn change_stream(&self) -> String {
+        format!("{}{{{}-changes}}:stream", self.prefix, self.kind)
+    }
+
     /// `P` + `{post-changes}:position`: the outbox snapshot the fleet has
     /// applied, where a starting instance catches up from.
     pub fn feed_position(&self) -> String {

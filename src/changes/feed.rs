@@ -69,7 +69,7 @@ pub(super) struct Follower {
     pub database: DatabaseSettings,
     pub read_path: Arc<ReadPath<PostStore>>,
     pub retention: Duration,
-    pub state: watch::Sender<Option<FeedState>>,
+    pub state: Arc<watch::Sender<Option<FeedState>>>,
 }
 
 /// What the feed keeps across reconnects.
@@ -101,7 +101,7 @@ impl Follower {
     }
 
     /// Follows the changes until aborted.
-    pub async fn run(self) {
+    pub async fn run(&self) {
         let mut progress = Progress {
             previous: None,
             retry: HashMap::new(),

@@ -9,13 +9,18 @@
 //! raises the fleet's cutoff in Redis to now (every entry read before it is
 //! stale; no key is scanned), which every instance reads within a second,
 //! and records `invalidate_all` in the outbox so that instances with the
-//! feed raise theirs at once.
+//! feed raise theirs at once. Both are also appended to the fleet's change
+//! stream, from which instances with CHANGE_FEED=replication learn them
+//! (their memory tiers forget the posts at once).
 
 use anyhow::Context;
 
 use crate::{
     cache::Keys,
-    changes::outbox,
+    changes::{
+        fanout::{self, Entry},
+        outbox,
+    },
     config::InvalidateArgs,
     db,
     flight::{apply, ChangeKind, Settings},
@@ -49,6 +54,7 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
         let cutoff = apply::raise_cutoff(&redis, &keys, change)
             .await
             .context("failed to raise the cutoff in Redis")?;
+        tell_the_stream(&redis, &keys, Entry::All { lsn: 0 }).await?;
         return Ok(Invalidated::All { cutoff });
     }
     let mut done = Vec::with_capacity(recorded.len());
@@ -60,7 +66,21 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
                 .with_context(|| format!("failed to invalidate post {post} in Redis"))?;
         done.push((post, change, applied));
     }
+    let ids = done.iter().map(|(post, _, _)| *post).collect();
+    tell_the_stream(&redis, &keys, Entry::Posts { lsn: 0, ids }).await?;
     Ok(Invalidated::Posts(done))
+}
+
+/// Appends what was invalidated to the fleet's change stream (see
+/// `changes/fanout.rs`), once Redis has it.
+async fn tell_the_stream(
+    redis: &crate::flight::RedisCommands,
+    keys: &Keys,
+    entry: Entry,
+) -> anyhow::Result<()> {
+    fanout::append(redis, &keys.change_stream(), &entry)
+        .await
+        .context("failed to append to the change stream in Redis")
 }
 
 impl std::fmt::Display for Invalidated {

@@ -78,11 +78,15 @@ pub fn generate(id: i64, seed: u64) -> Post {
 ///
 /// Streamed: batches are generated as they are written, PARALLEL_BATCHES
 /// at a time, so memory stays bounded whatever N. Each batch is one
-/// transaction that writes its posts with the change capture off and
-/// records one change for every post instead (see
-/// `migrations/0003_bulk_writes.sql`): a running fleet invalidates its
-/// cache once per batch rather than applying a change per post, and a
-/// seed stopped midway leaves no written batch unannounced.
+/// transaction. With CHANGE_FEED=trigger, a superuser's seed writes its
+/// posts with the capture triggers off (`session_replication_role =
+/// replica`, see `migrations/0004_replication_and_hardened_capture.sql`) and
+/// records one change for every post instead: a running fleet invalidates
+/// its cache once per batch rather than applying a change per post, and a
+/// seed stopped midway leaves no written batch unannounced. Any other
+/// role's seed is captured row by row, as any writer. With
+/// CHANGE_FEED=replication a batch of BATCH_ROWS posts is past the
+/// decoder's bound: one invalidation of every post per batch.
 ///
 /// A progress bar is drawn on stderr when it is a terminal; otherwise only
 /// the closing log line is written.
@@ -92,6 +96,14 @@ pub async fn run(args: &SeedArgs) -> anyhow::Result<u64> {
     settings.db_statement_timeout = std::time::Duration::from_secs(600);
     settings.db_acquire_timeout = std::time::Duration::from_secs(60);
     let pool = db::connect(&settings).await?;
+    let superuser: bool =
+        sqlx::query_scalar("select rolsuper from pg_roles where rolname = current_user")
+            .fetch_optional(&pool)
+            .await?
+            .unwrap_or(false);
+    if !superuser {
+        tracing::info!("not a superuser: the seed's rows are captured one by one, as any writer's");
+    }
     let started = Instant::now();
     let seed = args.seed;
     let progress = progress_bar(args.posts);
@@ -106,7 +118,7 @@ pub async fn run(args: &SeedArgs) -> anyhow::Result<u64> {
             let pool = pool.clone();
             tasks.spawn(async move {
                 let posts: Vec<Post> = (first..=last).map(|id| generate(id as i64, seed)).collect();
-                write_batch(&pool, &posts).await
+                write_batch(&pool, &posts, superuser).await
             });
             next += 1;
         }
@@ -130,15 +142,24 @@ pub async fn run(args: &SeedArgs) -> anyhow::Result<u64> {
     Ok(written)
 }
 
-/// One batch in one transaction: the posts, written without a change per
-/// post, and one change for every post (`invalidate_all`).
-async fn write_batch(pool: &PgPool, posts: &[Post]) -> Result<u64, sqlx::Error> {
+/// One batch in one transaction. A superuser writes the posts without a
+/// change per post (the triggers do not fire for the `replica` role), and
+/// one change for every post (`invalidate_all`, with the role back to
+/// `origin` so that the outbox's own triggers fire).
+async fn write_batch(pool: &PgPool, posts: &[Post], superuser: bool) -> Result<u64, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    sqlx::query("set local postcache.capture = off")
-        .execute(&mut *tx)
-        .await?;
+    if superuser {
+        sqlx::query("set local session_replication_role = replica")
+            .execute(&mut *tx)
+            .await?;
+    }
     let written = PostStore::upsert_batch_with(&mut *tx, posts).await?;
-    outbox::record(&mut *tx, &[]).await?;
+    if superuser {
+        sqlx::query("set local session_replication_role = origin")
+            .execute(&mut *tx)
+            .await?;
+        outbox::record(&mut *tx, &[]).await?;
+    }
     tx.commit().await?;
     Ok(written)
 }

@@ -44,6 +44,29 @@ impl<S: Source> ReadPath<S> {
         applied
     }
 
+    /// Applies change `change` to `key` in Redis only (the change feed's
+    /// decoder: every instance's memory tier forgets the item when it reads
+    /// the change from the fleet's stream); false when it was applied
+    /// already.
+    pub async fn invalidate_in_redis(
+        &self,
+        key: &S::Key,
+        change: i64,
+        kind: ChangeKind,
+    ) -> Result<bool, RedisError> {
+        apply_change(&self.redis, &self.keys, &self.settings, key, change, kind).await
+    }
+
+    /// This process's memory tier forgets `key` (Redis has its change).
+    pub fn forget(&self, key: &S::Key) {
+        self.memory.evict(key);
+    }
+
+    /// This process's memory tier forgets everything.
+    pub fn forget_all(&self) {
+        self.memory.clear();
+    }
+
     /// The cutoff in force in this process, unix milliseconds (0: none).
     pub fn cutoff(&self) -> u64 {
         self.cutoff.load(Ordering::Relaxed)

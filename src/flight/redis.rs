@@ -261,7 +261,10 @@ impl RedisCommands {
     /// Runs one command of lock hygiene (finish, release, extend) on the
     /// client of `key`'s node, under REDIS_TIMEOUT but not the breaker: a
     /// leader must be able to finish and let go of its lock whatever other
-    /// commands of this process met.
+    /// commands of this process met. The change feed's commands (applying
+    /// a change, the cutoff, the stream) go this way too: the breaker
+    /// guards the reads, and the feed's background work must neither take
+    /// a read's half-open probe nor open the breaker for the reads.
     async fn unrefused<T, Fut>(
         &self,
         key: &str,
@@ -471,7 +474,7 @@ impl RedisCommands {
             &keys.applied,
         ];
         let applied: i64 = self
-            .bounded(&keys.value, |c| {
+            .unrefused(&keys.value, |c| {
                 let (script_keys, args) = (script_keys.map(String::as_str).to_vec(), args.clone());
                 async move {
                     let apply = &self.scripts.apply;
@@ -482,9 +485,14 @@ impl RedisCommands {
         Ok(applied == 1)
     }
 
-    /// The cutoff stored at `key` (unix ms; 0 when none).
+    /// The cutoff stored at `key` (unix ms; 0 when none). Under
+    /// REDIS_TIMEOUT but not the breaker: it is read every second in the
+    /// background, and must neither take a half-open probe meant for a
+    /// read nor open the breaker for the reads.
     pub async fn cutoff(&self, key: &str) -> Result<u64, RedisError> {
-        let raw = self.get_string(key).await?;
+        let raw: Option<String> = self
+            .unrefused(key, |c| async move { c.get(key).await })
+            .await?;
         Ok(raw.and_then(|r| r.parse().ok()).unwrap_or(0))
     }
 
@@ -504,7 +512,7 @@ impl RedisCommands {
             Value::Integer(ms(remember).max(1)),
         ];
         let now_in_force: i64 = self
-            .bounded(key, |c| {
+            .unrefused(key, |c| {
                 let args = args.clone();
                 async move {
                     let raise = &self.scripts.raise_cutoff;
@@ -515,6 +523,34 @@ impl RedisCommands {
             })
             .await?;
         Ok(now_in_force.max(0) as u64)
+    }
+
+    /// XADD of `fields` to the stream at `key`, trimmed to about `max`
+    /// entries. Under REDIS_TIMEOUT but not the breaker: the change feed's
+    /// beats come every half second, and must neither take a half-open
+    /// probe meant for a read nor open the breaker for the reads.
+    pub async fn stream_append(
+        &self,
+        key: &str,
+        max: u64,
+        fields: Vec<(&'static str, String)>,
+    ) -> Result<(), RedisError> {
+        self.unrefused(key, |c| {
+            let fields = fields.clone();
+            async move {
+                c.xadd::<Value, _, _, _, _>(key, false, ("MAXLEN", "~", max as i64), "*", fields)
+                    .await
+                    .map(drop)
+            }
+        })
+        .await
+    }
+
+    /// A client of its own, with the same settings, not yet connected: for
+    /// a blocking read, which would hold up every command queued behind it
+    /// on a shared connection.
+    pub fn dedicated_client(&self) -> Client {
+        self.nodes.default_client().clone_new()
     }
 
     /// GET of a plain string key.

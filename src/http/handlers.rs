@@ -277,6 +277,16 @@ pub struct Readiness {
     /// `up`, `down` or `off` (CHANGE_FEED=off); does not decide readiness.
     #[schema(value_type = String, pattern = "^(up|down|off)$")]
     change_feed: &'static str,
+    /// The change feed's mode: `replication`, `trigger` or `off`; `null`
+    /// until told (CHANGE_FEED=auto asks PostgreSQL for its `wal_level`).
+    #[schema(value_type = Option<String>, pattern = "^(replication|trigger|off)$")]
+    change_feed_mode: Option<&'static str>,
+    /// Replication: the WAL the fleet's slot holds back past what is
+    /// applied, in bytes (`null` in the other modes, or not known yet).
+    change_feed_lag_bytes: Option<u64>,
+    /// Replication: seconds since the fleet's decoder last said it keeps up
+    /// (about 0.5 while it does).
+    change_feed_lag_seconds: Option<f64>,
 }
 
 /// `GET /readyz`: PostgreSQL and Redis both answer (`"redis": "circuit_open"`
@@ -308,6 +318,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
+    let report = state.feed.report();
     let readiness = Readiness {
         status: if status == StatusCode::OK {
             "ready"
@@ -322,6 +333,9 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
             word(redis_up)
         },
         change_feed: state.feed.get().as_str(),
+        change_feed_mode: report.mode.map(|m| m.as_str()),
+        change_feed_lag_bytes: report.lag_bytes,
+        change_feed_lag_seconds: report.lag_seconds,
     };
     (status, Json(readiness)).into_response()
 }

@@ -67,6 +67,20 @@ pub const FEED_RECONNECTS: &str = "postcache_change_feed_reconnects_total";
 /// Changes the feed could not read (a row of the outbox it cannot decode),
 /// skipped, by why.
 pub const CHANGES_SKIPPED: &str = "postcache_changes_skipped_total";
+/// Times the change feed's task ended (a panic) and was started again.
+pub const FEED_RESTARTS: &str = "postcache_change_feed_restarts_total";
+/// CHANGE_FEED=replication: whether this instance holds the slot (1: it
+/// decodes for the fleet).
+pub const DECODER_HELD: &str = "postcache_change_feed_decoder";
+/// Gaps in the change feed (the slot missing or invalidated), each closed
+/// by a raise of the cutoff, by why.
+pub const FEED_GAPS: &str = "postcache_change_feed_gaps_total";
+/// How much WAL the slot holds back: the server's end past what the fleet
+/// has applied, in bytes.
+pub const FEED_LAG_BYTES: &str = "postcache_change_feed_lag_bytes";
+/// Seconds since the fleet's decoder last said it keeps up (about 0.5
+/// while it does; it grows while no decoder runs).
+pub const FEED_LAG_SECONDS: &str = "postcache_change_feed_lag_seconds";
 
 /// The memory tier: bytes kept (envelopes plus a fixed overhead per entry,
 /// the measure L1_MAX_BYTES bounds), entries, and whether it serves (0 while
@@ -111,6 +125,11 @@ pub const ALL: &[&str] = &[
     CHANGE_LAG,
     FEED_RECONNECTS,
     CHANGES_SKIPPED,
+    FEED_RESTARTS,
+    DECODER_HELD,
+    FEED_GAPS,
+    FEED_LAG_BYTES,
+    FEED_LAG_SECONDS,
 ];
 
 /// Buckets for request, load and wait durations: 0.5 ms to 10 s.
@@ -218,6 +237,28 @@ fn describe() {
     describe_counter!(
         CHANGES_SKIPPED,
         "Changes the feed could not read, skipped, by why."
+    );
+    describe_counter!(
+        FEED_RESTARTS,
+        "Times the change feed's task ended (a panic) and was started again."
+    );
+    describe_gauge!(
+        DECODER_HELD,
+        "Whether this instance holds the replication slot and decodes for the fleet."
+    );
+    describe_counter!(
+        FEED_GAPS,
+        "Gaps in the change feed (slot missing or invalidated), each a raise of the cutoff."
+    );
+    describe_gauge!(
+        FEED_LAG_BYTES,
+        Unit::Bytes,
+        "WAL the replication slot holds back past what the fleet applied."
+    );
+    describe_gauge!(
+        FEED_LAG_SECONDS,
+        Unit::Seconds,
+        "Seconds since the fleet's decoder last said it keeps up."
     );
     describe_counter!(
         CONNECTIONS_REFUSED,
@@ -373,6 +414,32 @@ pub fn feed_up(up: bool) {
 pub fn change_applied(op: &'static str, lag: Duration) {
     counter!(CHANGES_APPLIED, "op" => op).increment(1);
     histogram!(CHANGE_LAG).record(lag.as_secs_f64());
+}
+
+/// Whether this instance holds the replication slot (decodes for the fleet).
+pub fn decoder_held(held: bool) {
+    gauge!(DECODER_HELD).set(if held { 1.0 } else { 0.0 });
+}
+
+/// A gap in the change feed (the slot missing or invalidated), closed by a
+/// raise of the cutoff.
+pub fn feed_gap(why: &'static str) {
+    counter!(FEED_GAPS, "why" => why).increment(1);
+}
+
+/// How far the replication slot is behind the server's WAL, in bytes.
+pub fn feed_lag_bytes(bytes: u64) {
+    gauge!(FEED_LAG_BYTES).set(bytes as f64);
+}
+
+/// How long since the fleet's decoder last said it keeps up.
+pub fn feed_lag_seconds(seconds: f64) {
+    gauge!(FEED_LAG_SECONDS).set(seconds);
+}
+
+/// The change feed's task ended (a panic) and was started again.
+pub fn feed_restarted() {
+    counter!(FEED_RESTARTS).increment(1);
 }
 
 pub fn feed_reconnected() {

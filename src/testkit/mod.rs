@@ -111,6 +111,7 @@ static TRACING: Once = Once::new();
 
 /// Logs are silent unless TEST_LOG is set.
 pub fn init_tracing() {
+    crate::startup::install_tls_provider();
     TRACING.call_once(|| {
         if std::env::var_os("TEST_LOG").is_some() {
             tracing_subscriber::fmt()

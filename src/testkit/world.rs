@@ -374,6 +374,7 @@ impl Drop for TestEnv {
                 .unwrap();
             rt.block_on(async {
                 if let Ok(mut conn) = PgConnection::connect(&format!("{url}/postgres")).await {
+                    drop_slots(&mut conn, &name).await;
                     let _ =
                         sqlx::query(&format!("drop database if exists \"{name}\" with (force)"))
                             .execute(&mut conn)
@@ -382,6 +383,38 @@ impl Drop for TestEnv {
             });
         })
         .join();
+    }
+}
+
+/// Drops the replication slots of database `name` (a database with a slot
+/// cannot be dropped, and a slot left behind keeps WAL forever): their
+/// walsenders are ended first, and waited for.
+pub async fn drop_slots(conn: &mut PgConnection, name: &str) {
+    for _ in 0..50 {
+        let _ = sqlx::query(
+            "select pg_terminate_backend(active_pid) from pg_replication_slots
+             where database = $1 and active_pid is not null",
+        )
+        .bind(name)
+        .execute(&mut *conn)
+        .await;
+        let _ = sqlx::query(
+            "select pg_drop_replication_slot(slot_name) from pg_replication_slots
+             where database = $1 and not active",
+        )
+        .bind(name)
+        .execute(&mut *conn)
+        .await;
+        let left: i64 =
+            sqlx::query_scalar("select count(*) from pg_replication_slots where database = $1")
+                .bind(name)
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap_or(1);
+        if left == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -59,12 +59,15 @@ async fn warm(apps: &[TestApp], id: i64) {
     }
 }
 
-/// Updates and a delete, on `env`'s Redis: the scenario of the single
-/// server and of the cluster.
-async fn updates_and_deletes_reach_every_instance(env: &TestEnv) {
-    let apps = join_all((0..3).map(|_| env.spawn(&["--negative-ttl", "1s"]))).await;
+/// Updates and a delete, on `env`'s Redis, with CHANGE_FEED=`mode`: the
+/// scenario of the single server and of the cluster.
+async fn updates_and_deletes_reach_every_instance(env: &TestEnv, mode: &str) {
+    let flags = ["--negative-ttl", "1s", "--change-feed", mode];
+    let apps = join_all((0..3).map(|_| env.spawn(&flags))).await;
     for app in &apps {
-        assert_eq!(app.get("/readyz").await.json()["change_feed"], "up");
+        let ready = app.get("/readyz").await.json();
+        assert_eq!(ready["change_feed"], "up");
+        assert_eq!(ready["change_feed_mode"], mode);
     }
     for id in 1..=4 {
         warm(&apps, id).await;
@@ -108,14 +111,27 @@ async fn updates_and_deletes_reach_every_instance(env: &TestEnv) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn updates_and_deletes_made_by_sql_reach_every_instance() {
     let env = TestEnv::new(10).await;
-    updates_and_deletes_reach_every_instance(&env).await;
+    updates_and_deletes_reach_every_instance(&env, "replication").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn updates_and_deletes_made_by_sql_reach_every_instance_in_trigger_mode() {
+    let env = TestEnv::new(10).await;
+    updates_and_deletes_reach_every_instance(&env, "trigger").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn updates_and_deletes_reach_every_instance_on_a_redis_cluster() {
     let cluster = RedisCluster::start(3, 0).await;
     let env = TestEnv::with_redis(10, cluster.url()).await;
-    updates_and_deletes_reach_every_instance(&env).await;
+    updates_and_deletes_reach_every_instance(&env, "replication").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn updates_and_deletes_reach_every_instance_on_a_redis_cluster_in_trigger_mode() {
+    let cluster = RedisCluster::start(3, 0).await;
+    let env = TestEnv::with_redis(10, cluster.url()).await;
+    updates_and_deletes_reach_every_instance(&env, "trigger").await;
 }
 
 /// A leader held after its SELECT; the row changes and the change is
@@ -188,7 +204,7 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_change_arrives_though_the_listeners_connection_is_cut() {
     let env = TestEnv::new(20).await;
-    let app = env.spawn(&[]).await;
+    let app = env.spawn(&["--change-feed", "trigger"]).await;
     let apps = std::slice::from_ref(&app);
     for id in 1..=20 {
         warm(apps, id).await;
@@ -277,7 +293,9 @@ async fn with_stale_while_revalidate_a_changed_post_is_served_stale_while_it_rel
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn invalidate_by_id_or_all_applies_what_a_change_would() {
     let env = TestEnv::new(10).await;
-    let on = env.spawn(&[]).await;
+    // The trigger mode: its capture can be switched off by the table's
+    // owner, to change rows behind the feed's back.
+    let on = env.spawn(&["--change-feed", "trigger"]).await;
     // Without a feed, an invalidation by id reaches the memory tier only
     // through L1_TTL, its bound.
     let off = env.spawn(&["--change-feed", "off", "--l1-ttl", "1s"]).await;
@@ -333,19 +351,28 @@ async fn invalidate_by_id_or_all_applies_what_a_change_would() {
 /// cached before the pause is not served again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_change_made_while_redis_is_paused_is_applied_once_it_answers() {
+    // Replication's feed is down once the decoder's beats are 2 s late.
+    for (mode, pause) in [("trigger", 1500), ("replication", 3000)] {
+        a_change_made_while_redis_is_paused_in(mode, pause).await;
+    }
+}
+
+async fn a_change_made_while_redis_is_paused_in(mode: &str, pause_ms: u64) {
     let redis = RedisServer::start().await;
     let env = TestEnv::with_redis(3, redis.url()).await;
-    let app = env.spawn(&["--redis-timeout", "100ms"]).await;
+    let app = env
+        .spawn(&["--redis-timeout", "100ms", "--change-feed", mode])
+        .await;
     warm(std::slice::from_ref(&app), 2).await;
 
-    redis.cli(&["client", "pause", "1500", "all"]);
+    redis.cli(&["client", "pause", &pause_ms.to_string(), "all"]);
     retitle(&env, 2, "changed during the pause").await;
     let paused = Instant::now();
     wait_until("the feed to say it is down", A_WHILE, async || {
         app.get("/readyz").await.json()["change_feed"] == "down"
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(1500).saturating_sub(paused.elapsed())).await;
+    tokio::time::sleep(Duration::from_millis(pause_ms).saturating_sub(paused.elapsed())).await;
 
     wait_until("the feed to be up again", A_WHILE, async || {
         app.get("/readyz").await.json()["change_feed"] == "up"
@@ -363,8 +390,15 @@ async fn a_change_made_while_redis_is_paused_is_applied_once_it_answers() {
 /// A truncate is every post changed at once: the cutoff.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_truncate_makes_every_post_gone_everywhere() {
+    for mode in ["replication", "trigger"] {
+        a_truncate_in(mode).await;
+    }
+}
+
+async fn a_truncate_in(mode: &str) {
     let env = TestEnv::new(5).await;
-    let apps = join_all((0..2).map(|_| env.spawn(&[]))).await;
+    let flags = ["--change-feed", mode];
+    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
     for id in 1..=5 {
         warm(&apps, id).await;
     }
@@ -423,7 +457,9 @@ async fn a_change_that_commits_after_a_later_numbered_one_is_still_applied() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn after_invalidate_all_no_old_body_is_served_and_the_cutoff_moves_once() {
     let env = TestEnv::new(5).await;
-    let apps = join_all((0..2).map(|_| env.spawn(&["--failure-ttl", "0s"]))).await;
+    let apps =
+        join_all((0..2).map(|_| env.spawn(&["--failure-ttl", "0s", "--change-feed", "trigger"])))
+            .await;
     warm(&apps, 1).await;
     let applied = r#"postcache_changes_applied_total{op="invalidate_all"}"#;
     let before = apps[0].http.metric(applied).await;

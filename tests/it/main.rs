@@ -15,6 +15,7 @@ mod memory;
 mod not_serving;
 mod odd_rows;
 mod processes;
+mod replication;
 mod restarts;
 mod scenarios;
 mod single_flight;

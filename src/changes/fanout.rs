@@ -1,0 +1,317 @@
+//! The fan-out of CHANGE_FEED=replication: the decoder appends each
+//! transaction it has applied to Redis to one Redis Stream, and every
+//! instance reads the stream from its last position to forget what its
+//! memory tier holds of the posts changed.
+//!
+//! ```text
+//!  decoder: apply to Redis ─► XADD P{post-changes}:stream  lsn, ids | all | beat
+//!  every instance: XREAD BLOCK from its last id ─► forget ids (all: the cutoff)
+//! ```
+//!
+//! Why a stream and not pub/sub: a message published while a subscriber's
+//! connection is being remade is lost without a word, while a stream is
+//! read on from the last id seen, each XREAD after the previous one. When a
+//! read fails (Redis may have restarted or failed over, and lost entries),
+//! the instance forgets its whole memory tier, takes the stream from its
+//! end, and says its feed is down until a beat appended after that comes.
+//! Redis itself needs nothing from the stream: the decoder applied every
+//! change there before appending it.
+//!
+//! The decoder also appends a beat every BEAT_EVERY while it keeps up,
+//! with how far behind the server it is: an instance whose last beat is
+//! older than BEAT_STALE says its feed is down (its memory tier stops
+//! serving), and the standbys try to take the slot.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use fred::prelude::*;
+
+use crate::{
+    flight::{ReadPath, RedisCommands, RedisError},
+    posts::PostStore,
+};
+
+/// How often the decoder appends a beat while it keeps up.
+pub const BEAT_EVERY: Duration = Duration::from_millis(500);
+/// A fleet whose last beat is older than this has no decoder keeping up.
+pub const BEAT_STALE: Duration = Duration::from_secs(2);
+/// Entries kept in the stream (about: trimmed with `~`). At two beats a
+/// second, over an hour's worth when nothing changes.
+const STREAM_MAX: u64 = 10_000;
+/// Longest one XREAD blocks.
+const BLOCK: Duration = Duration::from_millis(1000);
+/// Entries read per XREAD.
+const READ_COUNT: u64 = 500;
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// What one entry of the stream says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// These posts changed, in the transaction that committed at `lsn`.
+    Posts { lsn: u64, ids: Vec<i64> },
+    /// Every post (a TRUNCATE, a transaction past the bound, a gap): the
+    /// cutoff was raised.
+    All { lsn: u64 },
+    /// The decoder keeps up: it has applied everything to `lsn`, and the
+    /// server's WAL is `behind` bytes further.
+    Beat { lsn: u64, behind: u64 },
+}
+
+impl Entry {
+    fn fields(&self) -> Vec<(&'static str, String)> {
+        match self {
+            Entry::Posts { lsn, ids } => {
+                let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+                vec![("lsn", lsn.to_string()), ("ids", ids.join(","))]
+            }
+            Entry::All { lsn } => vec![("lsn", lsn.to_string()), ("all", "1".into())],
+            Entry::Beat { lsn, behind } => {
+                vec![("lsn", lsn.to_string()), ("beat", behind.to_string())]
+            }
+        }
+    }
+
+    /// An entry as read back; `None` for one that does not read as an entry
+    /// (written by something else): the reader then forgets everything.
+    fn parse(fields: &HashMap<String, String>) -> Option<Self> {
+        let lsn = fields.get("lsn")?.parse().ok()?;
+        if let Some(behind) = fields.get("beat") {
+            return Some(Entry::Beat {
+                lsn,
+                behind: behind.parse().ok()?,
+            });
+        }
+        if fields.contains_key("all") {
+            return Some(Entry::All { lsn });
+        }
+        let ids = fields.get("ids")?;
+        let ids = if ids.is_empty() {
+            Vec::new()
+        } else {
+            ids.split(',')
+                .map(|id| id.parse().ok())
+                .collect::<Option<_>>()?
+        };
+        Some(Entry::Posts { lsn, ids })
+    }
+}
+
+/// An entry as Redis returns it: its id and its fields.
+type StreamEntry = (String, HashMap<String, String>);
+
+/// Appends `entry` to the stream at `key`.
+pub async fn append(redis: &RedisCommands, key: &str, entry: &Entry) -> Result<(), RedisError> {
+    redis.stream_append(key, STREAM_MAX, entry.fields()).await
+}
+
+/// What the instance knows of the decoder, from the stream.
+#[derive(Debug, Default)]
+pub struct Beats {
+    last: Mutex<Option<(Instant, u64)>>,
+}
+
+impl Beats {
+    /// Forgets the beats read so far: after a reconnect, the feed is up
+    /// again only once a beat comes that was appended after everything the
+    /// stream lost meanwhile was applied.
+    fn forget(&self) {
+        let mut last = self.last.lock().unwrap();
+        if let Some((_, behind)) = *last {
+            // Stale, but the last lag known stays readable.
+            *last = Instant::now()
+                .checked_sub(BEAT_STALE)
+                .map(|at| (at, behind));
+        }
+    }
+
+    fn beat(&self, behind: u64) {
+        *self.last.lock().unwrap() = Some((Instant::now(), behind));
+    }
+
+    /// When the last beat was read, and how far behind the server the
+    /// decoder then was, in bytes.
+    pub fn last(&self) -> Option<(Instant, u64)> {
+        *self.last.lock().unwrap()
+    }
+
+    /// Whether a decoder keeps up: a beat within BEAT_STALE.
+    pub fn fresh(&self) -> bool {
+        self.last().is_some_and(|(at, _)| at.elapsed() < BEAT_STALE)
+    }
+}
+
+/// Reads the stream for one instance until aborted; `connected` says
+/// whether its last read succeeded.
+pub(super) struct Reader {
+    pub read_path: Arc<ReadPath<PostStore>>,
+    /// A connection of its own: XREAD BLOCK holds it.
+    pub client: Client,
+    pub key: String,
+    pub timeout: Duration,
+    pub beats: Arc<Beats>,
+    pub connected: tokio::sync::watch::Sender<bool>,
+}
+
+impl Reader {
+    pub async fn run(self) {
+        let mut last: Option<String> = None;
+        let mut backoff = RETRY_FIRST;
+        loop {
+            match self.follow(&mut last).await {
+                Ok(never) => match never {},
+                Err(error) => {
+                    if *self.connected.borrow() {
+                        tracing::warn!(
+                            error = format!("{error:#}"),
+                            "change stream unreadable; forgetting the memory tier until it is back"
+                        );
+                    } else {
+                        tracing::debug!(
+                            error = format!("{error:#}"),
+                            "change stream still unreadable"
+                        );
+                    }
+                    self.connected.send_replace(false);
+                    // Entries may be lost meanwhile (a Redis restarted, a
+                    // failover): nothing the memory tier holds is trusted.
+                    self.read_path.forget_all();
+                    last = None;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RETRY_MAX);
+                }
+            }
+            if *self.connected.borrow() {
+                backoff = RETRY_FIRST;
+            }
+        }
+    }
+
+    async fn follow(&self, last: &mut Option<String>) -> anyhow::Result<std::convert::Infallible> {
+        let limit = BLOCK + self.timeout;
+        if last.is_none() {
+            // From the end: what came before is in Redis already, and this
+            // process's memory tier holds nothing older than now.
+            let tail: Vec<StreamEntry> =
+                bounded(limit, self.client.xrevrange(&self.key, "+", "-", Some(1))).await?;
+            *last = Some(
+                tail.first()
+                    .map_or_else(|| "0-0".to_owned(), |(id, _)| id.clone()),
+            );
+            self.beats.forget();
+            // What the memory tier took in while the stream was not read.
+            self.read_path.forget_all();
+        }
+        loop {
+            let after = last.clone().expect("set above");
+            // Past the client's own command timeout (REDIS_TIMEOUT).
+            let options = fred::types::config::Options {
+                timeout: Some(limit),
+                ..Default::default()
+            };
+            let read: Value = bounded(
+                limit,
+                self.client.with_options(&options).xread(
+                    Some(READ_COUNT),
+                    Some(BLOCK.as_millis() as u64),
+                    &self.key,
+                    after.as_str(),
+                ),
+            )
+            .await?;
+            // Nil when the block ends with nothing new.
+            let read: HashMap<String, Vec<StreamEntry>> = if read.is_null() {
+                HashMap::new()
+            } else {
+                read.into_xread_response()?
+            };
+            self.connected.send_replace(true);
+            for (id, fields) in read.into_values().flatten() {
+                self.take(Entry::parse(&fields)).await;
+                *last = Some(id);
+            }
+        }
+    }
+
+    async fn take(&self, entry: Option<Entry>) {
+        match entry {
+            Some(Entry::Beat { behind, .. }) => self.beats.beat(behind),
+            Some(Entry::Posts { ids, .. }) => {
+                for id in ids {
+                    self.read_path.forget(&id);
+                }
+            }
+            Some(Entry::All { .. }) | None => {
+                if entry.is_none() {
+                    tracing::warn!(key = self.key, "an entry of the change stream does not read as one; forgetting the memory tier");
+                }
+                if let Err(error) = self.read_path.follow_cutoff().await {
+                    tracing::debug!(%error, "could not read the cutoff");
+                }
+                self.read_path.forget_all();
+            }
+        }
+    }
+}
+
+async fn bounded<T>(
+    limit: Duration,
+    command: impl std::future::Future<Output = Result<T, fred::error::Error>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(limit, command).await {
+        Ok(done) => Ok(done?),
+        Err(_) => Err(anyhow::anyhow!("no answer within {limit:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_back(entry: &Entry) -> Option<Entry> {
+        let fields = entry
+            .fields()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
+        Entry::parse(&fields)
+    }
+
+    #[test]
+    fn entries_read_back_as_written() {
+        for entry in [
+            Entry::Posts {
+                lsn: 0x1_6B00_0000,
+                ids: vec![1, 42, i64::MAX],
+            },
+            Entry::Posts {
+                lsn: 7,
+                ids: vec![],
+            },
+            Entry::All { lsn: 9 },
+            Entry::Beat {
+                lsn: 9,
+                behind: 120,
+            },
+        ] {
+            assert_eq!(read_back(&entry), Some(entry));
+        }
+    }
+
+    #[test]
+    fn an_entry_not_ours_does_not_read() {
+        let fields = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<HashMap<_, _>>()
+        };
+        assert_eq!(Entry::parse(&fields(&[("lsn", "1"), ("ids", "1,x")])), None);
+        assert_eq!(Entry::parse(&fields(&[("ids", "1")])), None);
+        assert_eq!(Entry::parse(&fields(&[("lsn", "1")])), None);
+    }
+}

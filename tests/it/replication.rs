@@ -1,0 +1,385 @@
+//! CHANGE_FEED=replication: one decoder per fleet, elected by the slot,
+//! that loses nothing when it dies; gaps (a slot dropped) closed by the
+//! cutoff; a huge transaction made one cutoff. And the trigger mode's
+//! hardening: no writer can forge, hide or break the feed.
+
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use postcache::testkit::{wait_until, RedisServer, ServiceProcess, TestApp, TestEnv, A_WHILE};
+use sqlx::{Connection, PgConnection};
+
+async fn retitle(env: &TestEnv, id: i64, title: &str) {
+    sqlx::query("update posts set title = $1 where id = $2")
+        .bind(title)
+        .bind(id)
+        .execute(&env.admin)
+        .await
+        .unwrap();
+}
+
+async fn title_of(http: &postcache::testkit::Http, id: i64) -> Option<String> {
+    let reply = http.get(&format!("/posts/{id}")).await;
+    (reply.status == 200).then(|| reply.json()["title"].as_str().unwrap().to_owned())
+}
+
+async fn until_titled(http: &postcache::testkit::Http, id: i64, wanted: &str) {
+    wait_until(
+        &format!("post {id} to read {wanted:?}"),
+        A_WHILE,
+        async || title_of(http, id).await.as_deref() == Some(wanted),
+    )
+    .await;
+}
+
+/// The slot of `env`'s fleet, and the pid of the session streaming it.
+async fn slot(env: &TestEnv) -> Option<(String, Option<i32>)> {
+    sqlx::query_as(
+        "select slot_name::text, active_pid from pg_replication_slots where database = $1",
+    )
+    .bind(&env.db_name)
+    .fetch_optional(&env.admin)
+    .await
+    .unwrap()
+}
+
+/// Three processes; the decoder is SIGKILLed while rows change: another
+/// takes the slot within seconds, and every change still arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_decoder_killed_while_rows_change_loses_no_change() {
+    let env = TestEnv::new(20).await;
+    let feed = [("CHANGE_FEED", "replication".to_owned())];
+    let mut fleet: Vec<ServiceProcess> = join_all((0..3).map(|_| env.start_process(&feed))).await;
+    let decoder = "postcache_change_feed_decoder";
+    wait_until("one decoder", A_WHILE, async || {
+        let held = join_all(fleet.iter().map(|p| p.http.metric(decoder))).await;
+        held.iter().sum::<f64>() == 1.0
+    })
+    .await;
+    let held = join_all(fleet.iter().map(|p| p.http.metric(decoder))).await;
+    let holder = held.iter().position(|h| *h == 1.0).unwrap();
+    for process in &fleet {
+        for id in 1..=20 {
+            title_of(&process.http, id).await;
+        }
+    }
+
+    let writer = {
+        let admin = env.admin.clone();
+        tokio::spawn(async move {
+            for round in 0..60 {
+                for id in 1..=20i64 {
+                    sqlx::query("update posts set title = $1 where id = $2")
+                        .bind(format!("round {round}"))
+                        .bind(id)
+                        .execute(&admin)
+                        .await
+                        .unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    fleet[holder].signal("KILL");
+    let killed = Instant::now();
+    let mut dead = fleet.remove(holder);
+    assert!(dead.exits_within(Duration::from_secs(5)).await);
+    wait_until("another instance to hold the slot", A_WHILE, async || {
+        let held = join_all(fleet.iter().map(|p| p.http.metric(decoder))).await;
+        held.iter().sum::<f64>() == 1.0
+    })
+    .await;
+    let took_over = killed.elapsed();
+    writer.await.unwrap();
+
+    for process in &fleet {
+        for id in 1..=20 {
+            until_titled(&process.http, id, "round 59").await;
+        }
+        // Served from the memory tier again once the feed is up.
+        wait_until("the feed up", A_WHILE, async || {
+            process.http.get("/readyz").await.json()["change_feed"] == "up"
+        })
+        .await;
+    }
+    assert!(
+        took_over < Duration::from_secs(8),
+        "the slot was taken over after {took_over:?}"
+    );
+    println!("slot taken over {took_over:?} after the decoder's SIGKILL");
+}
+
+/// The slot dropped by hand (its walsender ended first): the changes made
+/// meanwhile are unknown, so the fleet raises the cutoff once the slot is
+/// made again, and says so; nothing read before is served as fresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slot_dropped_by_hand_is_a_gap_closed_by_the_cutoff() {
+    let env = TestEnv::new(5).await;
+    let app = env.spawn(&["--change-feed", "replication"]).await;
+    let gaps = r#"postcache_change_feed_gaps_total{why="slot_missing"}"#;
+    for id in 1..=5 {
+        title_of(&app.http, id).await;
+    }
+    let (name, _) = slot(&env).await.expect("the fleet's slot");
+    let before = app.http.metric(gaps).await;
+
+    let mut admin = PgConnection::connect(&env.db_url).await.unwrap();
+    wait_until("the slot dropped", A_WHILE, async || {
+        let _ = sqlx::query(
+            "select pg_terminate_backend(active_pid) from pg_replication_slots
+             where slot_name = $1 and active_pid is not null",
+        )
+        .bind(&name)
+        .execute(&mut admin)
+        .await;
+        sqlx::query("select pg_drop_replication_slot($1)")
+            .bind(&name)
+            .execute(&mut admin)
+            .await
+            .is_ok()
+    })
+    .await;
+    // At once, before the slot is back: a change no slot records.
+    retitle(&env, 3, "made in the gap").await;
+
+    until_titled(&app.http, 3, "made in the gap").await;
+    assert!(app.http.metric(gaps).await > before, "the gap is counted");
+    assert!(slot(&env).await.is_some(), "the slot is made again");
+    wait_until("the feed up", A_WHILE, async || {
+        app.get("/readyz").await.json()["change_feed"] == "up"
+    })
+    .await;
+}
+
+/// One transaction updates 100,000 posts: past the bound, it is one raise
+/// of the cutoff, not 100,000 applications.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_of_100_000_updates_is_one_cutoff() {
+    let env = TestEnv::new(100_000).await;
+    let app = env.spawn(&["--change-feed", "replication"]).await;
+    for id in [1, 50_000, 100_000] {
+        title_of(&app.http, id).await;
+    }
+    let updates = r#"postcache_changes_applied_total{op="update"}"#;
+    let all = r#"postcache_changes_applied_total{op="all"}"#;
+    let (updates_before, all_before) = (app.http.metric(updates).await, app.http.metric(all).await);
+
+    sqlx::query("update posts set title = 'bulk ' || id")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+
+    for id in [1, 50_000, 100_000] {
+        until_titled(&app.http, id, &format!("bulk {id}")).await;
+    }
+    assert_eq!(app.http.metric(all).await - all_before, 1.0);
+    assert_eq!(app.http.metric(updates).await, updates_before);
+    let ready = app.get("/readyz").await.json();
+    assert_eq!(ready["change_feed_mode"], "replication");
+    assert!(ready["change_feed_lag_bytes"].is_u64(), "{ready}");
+}
+
+/// Redis restarted (empty) while rows change: what the instance held in
+/// its memory tier is forgotten, and every change made is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_restarted_while_rows_change_loses_no_change() {
+    let mut redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(10, redis.url()).await;
+    let apps: Vec<TestApp> = join_all(
+        (0..2).map(|_| env.spawn(&["--change-feed", "replication", "--redis-timeout", "200ms"])),
+    )
+    .await;
+    for app in &apps {
+        for id in 1..=10 {
+            title_of(&app.http, id).await;
+        }
+    }
+    for round in 0..3 {
+        for id in 1..=10 {
+            retitle(&env, id, &format!("before restart {round}")).await;
+        }
+    }
+    redis.restart().await;
+    for id in 1..=10 {
+        retitle(&env, id, "after restart").await;
+    }
+    for app in &apps {
+        for id in 1..=10 {
+            until_titled(&app.http, id, "after restart").await;
+        }
+        wait_until("the feed up", A_WHILE, async || {
+            app.get("/readyz").await.json()["change_feed"] == "up"
+        })
+        .await;
+    }
+}
+
+/// A role that may write `posts` and nothing else, connected directly.
+struct Writer {
+    role: String,
+    conn: PgConnection,
+    env_admin: sqlx::PgPool,
+}
+
+impl Writer {
+    async fn new(env: &TestEnv) -> Self {
+        let role = format!(
+            "writer_{}",
+            env.db_name.trim_start_matches("postcache_test_")
+        );
+        for sql in [
+            format!("create role {role} login"),
+            format!("grant usage on schema public to {role}"),
+            format!("grant select, insert, update, delete on posts to {role}"),
+        ] {
+            sqlx::query(&sql).execute(&env.admin).await.unwrap();
+        }
+        let url = env
+            .db_url
+            .replacen("postgres@", &format!("{role}@"), 1)
+            .replacen("://postgres", &format!("://{role}"), 1);
+        let conn = PgConnection::connect(&url)
+            .await
+            .expect("the writer connects");
+        Self {
+            role,
+            conn,
+            env_admin: env.admin.clone(),
+        }
+    }
+
+    async fn execute(&mut self, sql: &str) -> Result<(), String> {
+        sqlx::query(sql)
+            .execute(&mut self.conn)
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    async fn drop_role(self) {
+        let Self {
+            role,
+            conn,
+            env_admin,
+        } = self;
+        let _ = conn.close().await;
+        for sql in [format!("drop owned by {role}"), format!("drop role {role}")] {
+            sqlx::query(&sql).execute(&env_admin).await.unwrap();
+        }
+    }
+}
+
+/// The trigger mode: an ordinary writer needs no grant on the outbox, cannot
+/// write it (no forged `invalidate_all`, no far-future xid), and cannot turn
+/// the capture off; a row written by its owner gets its xid and time from
+/// the trigger, whatever the insert said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_trigger_mode_no_writer_can_forge_or_hide_a_change() {
+    let env = TestEnv::new(5).await;
+    let app = env.spawn(&["--change-feed", "trigger"]).await;
+    for id in 1..=5 {
+        title_of(&app.http, id).await;
+    }
+    let mut writer = Writer::new(&env).await;
+
+    let forged = writer
+        .execute("insert into post_changes (post_id, op) values (null, 'invalidate_all')")
+        .await;
+    let hidden = async {
+        writer.execute("set postcache.capture = off").await.unwrap();
+        writer
+            .execute("update posts set title = 'unseen?' where id = 1")
+            .await
+    }
+    .await;
+    let replica = writer
+        .execute("set session_replication_role = replica")
+        .await;
+    until_titled(&app.http, 1, "unseen?").await;
+    writer
+        .execute("update posts set title = 'by the writer' where id = 2")
+        .await
+        .unwrap();
+    until_titled(&app.http, 2, "by the writer").await;
+    writer.drop_role().await;
+
+    // The owner's own insert, claiming a far-future xid and an odd time.
+    sqlx::query(
+        "insert into post_changes (post_id, op, xid, changed_at)
+         values (4, 'update', '99999999999', 'infinity')",
+    )
+    .execute(&env.admin)
+    .await
+    .unwrap();
+    let (xid_ok, time_ok): (bool, bool) = sqlx::query_as(
+        "select xid::text::bigint < 99999999999, changed_at < 'infinity'
+         from post_changes order by id desc limit 1",
+    )
+    .fetch_one(&env.admin)
+    .await
+    .unwrap();
+    // And the feed goes on.
+    retitle(&env, 5, "after the odd row").await;
+    until_titled(&app.http, 5, "after the odd row").await;
+
+    assert!(
+        forged
+            .as_ref()
+            .is_err_and(|e| e.contains("permission denied")),
+        "{forged:?}"
+    );
+    assert!(hidden.is_ok(), "the writer's update itself succeeds");
+    assert!(
+        replica
+            .as_ref()
+            .is_err_and(|e| e.contains("permission denied")),
+        "{replica:?}"
+    );
+    assert!(xid_ok && time_ok, "the trigger sets xid and changed_at");
+}
+
+/// Replication: writers are untouched (no capture trigger fires, no outbox
+/// row is written), and a writer's session settings hide nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_replication_mode_writers_are_untouched_and_cannot_hide_a_change() {
+    let env = TestEnv::new(5).await;
+    let app = env.spawn(&["--change-feed", "replication"]).await;
+    for id in 1..=5 {
+        title_of(&app.http, id).await;
+    }
+    let outbox = async || -> i64 {
+        sqlx::query_scalar("select count(*) from post_changes")
+            .fetch_one(&env.admin)
+            .await
+            .unwrap()
+    };
+    let rows_before = outbox().await;
+    let mut writer = Writer::new(&env).await;
+    writer.execute("set postcache.capture = off").await.unwrap();
+    writer
+        .execute("update posts set title = 'seen' where id = 1")
+        .await
+        .unwrap();
+    writer
+        .execute("delete from posts where id = 2")
+        .await
+        .unwrap();
+    until_titled(&app.http, 1, "seen").await;
+    wait_until("the delete", A_WHILE, async || {
+        app.get("/posts/2").await.status == 404
+    })
+    .await;
+    let enabled: i64 = sqlx::query_scalar(
+        "select count(*) from pg_trigger
+         where tgrelid = 'posts'::regclass and tgname like 'posts_capture_%' and tgenabled <> 'D'",
+    )
+    .fetch_one(&env.admin)
+    .await
+    .unwrap();
+    let rows_after = outbox().await;
+    writer.drop_role().await;
+
+    assert_eq!(enabled, 0, "no capture trigger fires in replication mode");
+    assert_eq!(rows_after, rows_before, "no outbox row is written");
+}
