@@ -1,11 +1,13 @@
 -- CHANGE_FEED=replication reads the changes to `posts` from this
 -- publication through one logical replication slot per fleet (made by the
 -- service itself). Creating it needs no wal_level = logical (the server only
--- warns), so the same migrations serve both modes.
+-- warns), so the same migrations serve both modes. Only the id is published
+-- (a column list): the walsender then converts and sends one column per row
+-- changed, not the whole post.
 do $$
 begin
     if not exists (select 1 from pg_publication where pubname = 'postcache_posts') then
-        create publication postcache_posts for table posts;
+        create publication postcache_posts for table posts (id);
     end if;
 end
 $$;

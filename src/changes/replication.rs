@@ -35,7 +35,7 @@ use std::{
 };
 
 use anyhow::Context;
-use futures::{stream, StreamExt};
+use futures::{stream, FutureExt, StreamExt};
 use pgwire_replication::{
     Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, SslMode, TlsConfig,
 };
@@ -58,8 +58,10 @@ pub const PUBLICATION: &str = "postcache_posts";
 /// A transaction that changes this many posts or more is one raise of the
 /// cutoff, not one application per post.
 pub const BULK: usize = 10_000;
-/// Changes applied to Redis at once.
+/// Changes applied to Redis at once, one script each (a Redis Cluster).
 const APPLYING: usize = 64;
+/// Changes applied by one script on a single Redis.
+const APPLIED_TOGETHER: usize = 100;
 /// Events buffered between the replication connection and the decoder.
 const BUFFERED: usize = 256;
 /// How often a standby looks at whether the decoder's beats stopped.
@@ -233,6 +235,52 @@ impl Pending {
     fn every_post(&mut self) {
         self.all = true;
         self.posts = HashMap::new();
+    }
+}
+
+/// Posts gathered from several transactions before they are applied.
+const BATCH_MAX: usize = 1_000;
+/// Longest a committed transaction waits for others to be applied with.
+const LINGER: Duration = Duration::from_millis(10);
+
+/// Committed transactions read but not applied yet: the later change of
+/// each post (applying it once, with its LSN, fences every leader that read
+/// before either).
+#[derive(Default)]
+struct Batch {
+    posts: HashMap<i64, (ChangeKind, u64)>,
+    /// The end of the last transaction in it.
+    last: Option<Lsn>,
+    first_commit_micros: i64,
+    /// When its first transaction was read.
+    started: Option<Instant>,
+    /// Where the server said it had sent everything, after its last
+    /// transaction.
+    read_to: Lsn,
+}
+
+impl Batch {
+    /// Whether it may wait for more commits before it is applied.
+    fn lingers(&self) -> bool {
+        self.started.is_some_and(|at| at.elapsed() < LINGER)
+    }
+
+    fn linger_left(&self) -> Duration {
+        self.started
+            .map_or(Duration::ZERO, |at| LINGER.saturating_sub(at.elapsed()))
+    }
+
+    fn add(&mut self, tx: Pending, lsn: Lsn, progress: &mut Progress) {
+        if self.last.is_none() {
+            self.first_commit_micros = tx.commit_time_micros;
+            self.started = Some(Instant::now());
+        }
+        for (id, kind) in tx.posts {
+            // Applied with this later change, or kept with it.
+            progress.retry.remove(&id);
+            self.posts.insert(id, (kind, lsn.0));
+        }
+        self.last = Some(lsn);
     }
 }
 
@@ -460,6 +508,7 @@ impl Candidate {
     async fn decode(&self, client: &mut ReplicationClient) -> anyhow::Result<()> {
         let mut relations = Relations::default();
         let mut pending: Option<Pending> = None;
+        let mut batch = Batch::default();
         let mut progress = Progress::default();
         let mut server_end = Lsn(0);
         // The server sends a keepalive once it has sent everything up to
@@ -468,18 +517,41 @@ impl Candidate {
         let mut beat = tokio::time::interval(BEAT_EVERY);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let event = tokio::select! {
-                event = client.recv() => event?,
-                _ = beat.tick() => {
-                    self.retry(&mut progress).await?;
-                    if caught_up && pending.is_none() && progress.retry.is_empty() {
-                        let behind = server_end.0.saturating_sub(progress.applied.0);
-                        let entry = Entry::Beat { lsn: progress.applied.0, behind };
-                        fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
-                        metrics::feed_lag_bytes(behind);
+            // What is here already is read before anything is applied, so
+            // that a burst of commits costs one round of applications and
+            // one stream entry; once nothing more is here, the batch goes.
+            let event = match client.recv().now_or_never() {
+                Some(event) => event?,
+                // A batch lingers a little for more commits: under a write
+                // load that turns a round of applications, a stream entry
+                // and every instance's read per commit into one per batch.
+                None if batch.lingers() => {
+                    match tokio::time::timeout(batch.linger_left(), client.recv()).await {
+                        Ok(event) => event?,
+                        Err(_) => {
+                            self.flush(&mut batch, &mut progress).await?;
+                            client.update_applied_lsn(progress.confirmable());
+                            continue;
+                        }
                     }
+                }
+                None => {
+                    self.flush(&mut batch, &mut progress).await?;
                     client.update_applied_lsn(progress.confirmable());
-                    continue;
+                    tokio::select! {
+                        event = client.recv() => event?,
+                        _ = beat.tick() => {
+                            self.retry(&mut progress).await?;
+                            if caught_up && pending.is_none() && progress.retry.is_empty() {
+                                let behind = server_end.0.saturating_sub(progress.applied.0);
+                                let entry = Entry::Beat { lsn: progress.applied.0, behind };
+                                fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
+                                metrics::feed_lag_bytes(behind);
+                            }
+                            client.update_applied_lsn(progress.confirmable());
+                            continue;
+                        }
+                    }
                 }
             };
             let Some(event) = event else {
@@ -500,9 +572,22 @@ impl Candidate {
                     let Some(tx) = pending.take() else {
                         continue;
                     };
-                    self.commit(tx, end_lsn, &mut progress).await?;
                     server_end = server_end.max(end_lsn);
-                    client.update_applied_lsn(progress.confirmable());
+                    if tx.all {
+                        self.flush(&mut batch, &mut progress).await?;
+                        self.all_posts(end_lsn.0).await?;
+                        metrics::change_applied("all", since_commit(tx.commit_time_micros));
+                        // Every post: what waited is covered.
+                        progress.retry.clear();
+                        progress.read_to(end_lsn);
+                        client.update_applied_lsn(progress.confirmable());
+                        continue;
+                    }
+                    batch.add(tx, end_lsn, &mut progress);
+                    if batch.posts.len() >= BATCH_MAX || !batch.lingers() {
+                        self.flush(&mut batch, &mut progress).await?;
+                        client.update_applied_lsn(progress.confirmable());
+                    }
                 }
                 ReplicationEvent::KeepAlive { wal_end, .. } => {
                     tracing::trace!(%wal_end, "keepalive");
@@ -510,9 +595,15 @@ impl Candidate {
                     caught_up = true;
                     if pending.is_none() {
                         // Nothing of ours is open: everything the server
-                        // sent is read.
-                        progress.read_to(wal_end);
-                        client.update_applied_lsn(progress.confirmable());
+                        // sent is read, once the batch is applied (the
+                        // server sends one whenever it waits for WAL: the
+                        // batch lingers on).
+                        if batch.last.is_some() {
+                            batch.read_to = batch.read_to.max(wal_end);
+                        } else {
+                            progress.read_to(wal_end);
+                            client.update_applied_lsn(progress.confirmable());
+                        }
                     }
                 }
                 ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
@@ -520,28 +611,24 @@ impl Candidate {
         }
     }
 
-    /// Applies a committed transaction to Redis, then appends it to the
-    /// stream. What fails (a node down) waits in the retry list, and holds
-    /// the confirmed LSN back until it is applied: after a crash the server
-    /// sends it again. An error ends the session unconfirmed.
-    async fn commit(&self, tx: Pending, lsn: Lsn, progress: &mut Progress) -> anyhow::Result<()> {
-        let lag = since_commit(tx.commit_time_micros);
-        if tx.all {
-            self.all_posts(lsn.0).await?;
-            metrics::change_applied("all", lag);
-            // Every post: what waited is covered.
-            progress.retry.clear();
-            progress.read_to(lsn);
+    /// Applies the committed transactions read so far to Redis, then
+    /// appends them to the stream as one entry. What fails (a node down)
+    /// waits in the retry list, and holds the confirmed LSN back until it
+    /// is applied: after a crash the server sends it again. An error ends
+    /// the session unconfirmed.
+    async fn flush(&self, batch: &mut Batch, progress: &mut Progress) -> anyhow::Result<()> {
+        batch.started = None;
+        let Some(last) = batch.last.take() else {
             return Ok(());
-        }
-        let changes: Vec<(i64, ChangeKind, u64)> =
-            tx.posts.iter().map(|(i, k)| (*i, *k, lsn.0)).collect();
-        for (id, ..) in &changes {
-            // Applied now (or kept with this later change).
-            progress.retry.remove(id);
-        }
-        self.apply(changes, lsn, lag, progress).await?;
-        progress.read_to(lsn);
+        };
+        let lag = since_commit(batch.first_commit_micros);
+        let changes: Vec<(i64, ChangeKind, u64)> = batch
+            .posts
+            .drain()
+            .map(|(id, (kind, lsn))| (id, kind, lsn))
+            .collect();
+        self.apply(changes, last, lag, progress).await?;
+        progress.read_to(last.max(std::mem::take(&mut batch.read_to)));
         Ok(())
     }
 
@@ -557,21 +644,54 @@ impl Candidate {
         if changes.is_empty() {
             return Ok(());
         }
-        let results: Vec<((i64, ChangeKind, u64), bool)> = stream::iter(changes)
-            .map(|change| {
-                let read_path = self.read_path.clone();
-                async move {
-                    let (id, kind, lsn) = change;
-                    let done = read_path.invalidate_in_redis(&id, lsn as i64, kind).await;
-                    if let Err(error) = &done {
-                        tracing::debug!(%error, id, "change not applied; retrying");
+        let results: Vec<((i64, ChangeKind, u64), bool)> = if self
+            .read_path
+            .redis()
+            .applies_together()
+        {
+            // One script per chunk: far fewer round trips and script
+            // calls than one per post.
+            let chunks: Vec<Vec<(i64, ChangeKind, u64)>> = changes
+                .chunks(APPLIED_TOGETHER)
+                .map(<[_]>::to_vec)
+                .collect();
+            stream::iter(chunks)
+                    .map(|chunk| {
+                        let read_path = self.read_path.clone();
+                        async move {
+                            let items: Vec<(i64, i64, ChangeKind)> = chunk
+                                .iter()
+                                .map(|(id, kind, lsn)| (*id, *lsn as i64, *kind))
+                                .collect();
+                            let done = read_path.invalidate_many_in_redis(&items).await;
+                            if let Err(error) = &done {
+                                tracing::debug!(%error, posts = chunk.len(), "changes not applied; retrying");
+                            }
+                            let ok = done.is_ok();
+                            chunk.into_iter().map(move |change| (change, ok)).collect::<Vec<_>>()
+                        }
+                    })
+                    .buffer_unordered(4)
+                    .flat_map(stream::iter)
+                    .collect()
+                    .await
+        } else {
+            stream::iter(changes)
+                .map(|change| {
+                    let read_path = self.read_path.clone();
+                    async move {
+                        let (id, kind, lsn) = change;
+                        let done = read_path.invalidate_in_redis(&id, lsn as i64, kind).await;
+                        if let Err(error) = &done {
+                            tracing::debug!(%error, id, "change not applied; retrying");
+                        }
+                        (change, done.is_ok())
                     }
-                    (change, done.is_ok())
-                }
-            })
-            .buffer_unordered(APPLYING)
-            .collect()
-            .await;
+                })
+                .buffer_unordered(APPLYING)
+                .collect()
+                .await
+        };
         let mut ids = Vec::with_capacity(results.len());
         for ((id, kind, at), done) in results {
             if done {

@@ -57,6 +57,21 @@ impl<S: Source> ReadPath<S> {
         apply_change(&self.redis, &self.keys, &self.settings, key, change, kind).await
     }
 
+    /// Applies several changes to Redis in one round trip where Redis allows
+    /// it (a single server; see [`RedisCommands::applies_together`]).
+    pub async fn invalidate_many_in_redis(
+        &self,
+        changes: &[(S::Key, i64, ChangeKind)],
+    ) -> Result<u64, RedisError> {
+        let s = &self.settings;
+        let (tombstone, lifetimes) = apply_with(s);
+        let items: Vec<_> = changes
+            .iter()
+            .map(|(key, change, kind)| (self.keys.item(key), *change, *kind))
+            .collect();
+        self.redis.apply_many(&items, &tombstone, lifetimes).await
+    }
+
     /// This process's memory tier forgets `key` (Redis has its change).
     pub fn forget(&self, key: &S::Key) {
         self.memory.evict(key);
@@ -103,7 +118,14 @@ pub async fn apply_change(
     change: i64,
     kind: ChangeKind,
 ) -> Result<bool, RedisError> {
-    let s = settings;
+    let (tombstone, lifetimes) = apply_with(settings);
+    redis
+        .apply(&keys.item(id), change, kind, &tombstone, lifetimes)
+        .await
+}
+
+/// The tombstone a delete leaves, and the lifetimes a change writes with.
+fn apply_with(s: &Settings) -> (Entry, ApplyFor) {
     let negative = s.jitter.apply(s.negative_ttl);
     let tombstone = Entry::new(Status::NotFound, &[], negative, Duration::ZERO);
     let lifetimes = ApplyFor {
@@ -116,9 +138,7 @@ pub async fn apply_change(
         },
         grace: s.stale_while_revalidate,
     };
-    redis
-        .apply(&keys.item(id), change, kind, &tombstone, lifetimes)
-        .await
+    (tombstone, lifetimes)
 }
 
 /// How long a change that raised the cutoff is remembered (so that seeing it

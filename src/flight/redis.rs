@@ -485,6 +485,61 @@ impl RedisCommands {
         Ok(applied == 1)
     }
 
+    /// Whether several items' changes can go in one script (a single Redis:
+    /// on a cluster their keys are in different slots).
+    pub fn applies_together(&self) -> bool {
+        !self.sharded
+    }
+
+    /// [`RedisCommands::apply`] of several items in one round trip (see
+    /// `apply_many_lua`); how many were applied. A single Redis only.
+    pub async fn apply_many(
+        &self,
+        items: &[(ItemKeys, i64, ChangeKind)],
+        tombstone: &Entry,
+        lifetimes: ApplyFor,
+    ) -> Result<u64, RedisError> {
+        let Some((first, ..)) = items.first() else {
+            return Ok(0);
+        };
+        let mut args: Vec<Value> = vec![
+            Value::Integer(ms(lifetimes.fence).max(1)),
+            Value::Bytes(tombstone.raw().clone()),
+            Value::Integer(ms(lifetimes.tombstone).max(1)),
+            Value::Integer(ms(lifetimes.tombstone_copy)),
+            Value::Integer(ms(lifetimes.grace)),
+            Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
+        ];
+        let mut script_keys: Vec<String> = Vec::with_capacity(items.len() * 5);
+        for (keys, change, kind) in items {
+            script_keys.extend(
+                [
+                    &keys.value,
+                    &keys.lock,
+                    &keys.fail_safe,
+                    &keys.fence,
+                    &keys.applied,
+                ]
+                .map(String::clone),
+            );
+            args.push(Value::Integer(*change));
+            args.push(Value::from(match kind {
+                ChangeKind::Deleted => "delete",
+                ChangeKind::Changed => "change",
+            }));
+        }
+        let applied: i64 = self
+            .unrefused(&first.value, |c| {
+                let (script_keys, args) = (script_keys.clone(), args.clone());
+                async move {
+                    let apply = &self.scripts.apply_many;
+                    apply.evalsha_with_reload(&c, script_keys, args).await
+                }
+            })
+            .await?;
+        Ok(applied.max(0) as u64)
+    }
+
     /// The cutoff stored at `key` (unix ms; 0 when none). Under
     /// REDIS_TIMEOUT but not the breaker: it is read every second in the
     /// background, and must neither take a half-open probe meant for a

@@ -83,6 +83,39 @@ const FINISH_LUA: &str = include_str!("finish.lua");
 /// Returns 1 when applied, 0 when skipped.
 const APPLY_LUA: &str = include_str!("apply.lua");
 
+/// Several changes, each as [`APPLY_LUA`] applies it, in one round trip
+/// (the change feed's decoder, on a single Redis: the items' keys are in
+/// different hash slots, so never on a cluster).
+/// KEYS: the five keys of each item in turn, as APPLY_LUA's.
+/// ARGV[1] fence TTL ms, ARGV[2] the tombstone, ARGV[3] its TTL ms as the
+/// value, ARGV[4] as the fail-safe copy, ARGV[5] the grace window ms,
+/// ARGV[6] now (8 bytes); then for each item its change id and its kind.
+/// Returns how many were applied (the others were already).
+fn apply_many_lua() -> String {
+    let lua = with_layout(APPLY_LUA)
+        .replace("KEYS[", "K[")
+        .replace("ARGV[", "A[");
+    // The helpers once, the body per item.
+    let (helpers, one) = lua
+        .split_once("-- Applied already")
+        .expect("apply.lua's body starts with its first check");
+    format!(
+        r#"
+{helpers}
+local function apply_one(K, A)
+-- Applied already{one}
+end
+local applied = 0
+for i = 0, (#KEYS / 5) - 1 do
+  local K = {{KEYS[i*5+1], KEYS[i*5+2], KEYS[i*5+3], KEYS[i*5+4], KEYS[i*5+5]}}
+  local A = {{ARGV[7+i*2], ARGV[8+i*2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]}}
+  applied = applied + apply_one(K, A)
+end
+return applied
+"#
+    )
+}
+
 /// The message that tells waiters to elect a leader again (a fenced
 /// finish): too short to be an entry, so never taken for one.
 pub const RETRY: &[u8] = b"retry";
@@ -186,6 +219,7 @@ pub(super) struct Scripts {
     pub abandon: Script,
     pub extend: Script,
     pub apply: Script,
+    pub apply_many: Script,
     pub raise_cutoff: Script,
 }
 
@@ -197,17 +231,19 @@ impl Scripts {
             abandon: Script::from_lua(ABANDON_LUA),
             extend: Script::from_lua(EXTEND_LUA),
             apply: Script::from_lua(with_layout(APPLY_LUA)),
+            apply_many: Script::from_lua(apply_many_lua()),
             raise_cutoff: Script::from_lua(RAISE_CUTOFF_LUA),
         }
     }
 
-    fn all(&self) -> [&Script; 6] {
+    fn all(&self) -> [&Script; 7] {
         [
             &self.finish,
             &self.release,
             &self.abandon,
             &self.extend,
             &self.apply,
+            &self.apply_many,
             &self.raise_cutoff,
         ]
     }
