@@ -240,8 +240,9 @@ impl Pending {
 
 /// Posts gathered from several transactions before they are applied.
 const BATCH_MAX: usize = 1_000;
-/// Longest a committed transaction waits for others to be applied with.
-const LINGER: Duration = Duration::from_millis(10);
+/// Under a write load, how often a batch is applied: the longest a
+/// committed transaction waits for others to be applied with.
+const LINGER: Duration = Duration::from_millis(5);
 
 /// Committed transactions read but not applied yet: the later change of
 /// each post (applying it once, with its LSN, fences every leader that read
@@ -257,16 +258,21 @@ struct Batch {
     /// Where the server said it had sent everything, after its last
     /// transaction.
     read_to: Lsn,
+    /// When the last batch was applied.
+    flushed: Option<Instant>,
 }
 
 impl Batch {
-    /// Whether it may wait for more commits before it is applied.
+    /// Whether it may wait for more commits before it is applied: only
+    /// while commits come faster than one per LINGER (the last batch went
+    /// less than LINGER ago), so that a lone commit goes at once, and a
+    /// write load is applied once per LINGER.
     fn lingers(&self) -> bool {
-        self.started.is_some_and(|at| at.elapsed() < LINGER)
+        self.started.is_some() && self.flushed.is_some_and(|at| at.elapsed() < LINGER)
     }
 
     fn linger_left(&self) -> Duration {
-        self.started
+        self.flushed
             .map_or(Duration::ZERO, |at| LINGER.saturating_sub(at.elapsed()))
     }
 
@@ -621,6 +627,7 @@ impl Candidate {
         let Some(last) = batch.last.take() else {
             return Ok(());
         };
+        batch.flushed = Some(Instant::now());
         let lag = since_commit(batch.first_commit_micros);
         let changes: Vec<(i64, ChangeKind, u64)> = batch
             .posts
