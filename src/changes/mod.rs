@@ -262,14 +262,18 @@ impl Setup {
     /// Tells the mode (CHANGE_FEED=auto asks the server), then follows in
     /// it, restarting what ends (a panic included) until aborted.
     async fn run(self, asked: ChangeFeed) {
+        let mut told = false;
         let mode = loop {
             match self.tell_mode(asked).await {
                 Ok(mode) => break mode,
                 Err(error) => {
-                    tracing::debug!(
-                        error = format!("{error:#}"),
-                        "change feed: cannot tell the mode yet"
-                    );
+                    let error = format!("{error:#}");
+                    if told {
+                        tracing::debug!(error, "change feed: cannot follow yet");
+                    } else {
+                        tracing::error!(error, "change feed: cannot follow; it stays down, and the service serves with freshness from the TTLs");
+                        told = true;
+                    }
                     self.set(FeedState::Down);
                     tokio::time::sleep(RETRY).await;
                 }
@@ -307,8 +311,7 @@ impl Setup {
         let logical = level == "logical";
         let mode = match asked {
             ChangeFeed::Replication if !logical => {
-                tracing::error!(wal_level = level, "CHANGE_FEED=replication needs wal_level = logical (ALTER SYSTEM SET wal_level = logical, then restart PostgreSQL); the feed stays down");
-                anyhow::bail!("wal_level is {level}, not logical");
+                anyhow::bail!("CHANGE_FEED=replication needs wal_level = logical, and it is {level} (ALTER SYSTEM SET wal_level = logical, then restart PostgreSQL)");
             }
             ChangeFeed::Replication => {
                 tracing::info!(

@@ -156,10 +156,17 @@ async fn a_cluster_that_is_down_opens_the_breakers() {
         );
         cluster.cli(port, &["cluster", "delslots", &slot]);
     }
-    wait_until("the cluster to be down", A_WHILE, async || {
-        let port = cluster.master_of(&env.keys.value(2));
-        cluster.cli(port, &["get", "x"]).starts_with("CLUSTERDOWN")
-    })
+    // Each node marks the cluster down on its own beat: wait for all.
+    wait_until(
+        "the cluster to be down on every node",
+        A_WHILE,
+        async || {
+            cluster
+                .ports
+                .iter()
+                .all(|&port| cluster.cli(port, &["get", "x"]).starts_with("CLUSTERDOWN"))
+        },
+    )
     .await;
     let outages = app.http.metric(OUTAGES).await;
 

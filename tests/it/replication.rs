@@ -383,3 +383,149 @@ async fn in_replication_mode_writers_are_untouched_and_cannot_hide_a_change() {
     assert_eq!(enabled, 0, "no capture trigger fires in replication mode");
     assert_eq!(rows_after, rows_before, "no outbox row is written");
 }
+
+/// A private PostgreSQL with `wal_level = replica`, run as the `postgres`
+/// user in a temporary directory on a free port; stopped when dropped.
+struct ReplicaLevelServer {
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl ReplicaLevelServer {
+    const BIN: &str = "/usr/lib/postgresql/15/bin";
+
+    fn as_postgres(args: &[&str]) -> std::process::Output {
+        let as_root = std::process::Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
+        let mut command = if as_root {
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]);
+            c
+        } else {
+            std::process::Command::new("env")
+        };
+        command.args(args).output().expect("runs")
+    }
+
+    fn start() -> Option<Self> {
+        if !std::path::Path::new(Self::BIN).exists() {
+            return None;
+        }
+        let dir =
+            std::env::temp_dir().join(format!("postcache-pg-{}", postcache::testkit::free_port()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let _ = std::process::Command::new("chown")
+            .args(["postgres:postgres", dir.to_str().unwrap()])
+            .status();
+        let data = dir.join("data");
+        let initdb = format!("{}/initdb", Self::BIN);
+        let out = Self::as_postgres(&[
+            &initdb,
+            "-D",
+            data.to_str().unwrap(),
+            "-U",
+            "postgres",
+            "--auth=trust",
+        ]);
+        assert!(
+            out.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let port = postcache::testkit::free_port();
+        let conf = format!(
+            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nwal_level = replica\nfsync = off\n",
+            dir.display()
+        );
+        let settings = data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&settings).unwrap();
+        text.push_str(&conf);
+        std::fs::write(&settings, text).unwrap();
+        let pg_ctl = format!("{}/pg_ctl", Self::BIN);
+        let log = dir.join("log");
+        let out = Self::as_postgres(&[
+            &pg_ctl,
+            "-D",
+            data.to_str().unwrap(),
+            "-l",
+            log.to_str().unwrap(),
+            "-w",
+            "start",
+        ]);
+        assert!(
+            out.status.success(),
+            "pg_ctl start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Some(Self { dir, port })
+    }
+
+    fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+}
+
+impl Drop for ReplicaLevelServer {
+    fn drop(&mut self) {
+        let pg_ctl = format!("{}/pg_ctl", Self::BIN);
+        let data = self.dir.join("data");
+        Self::as_postgres(&[
+            &pg_ctl,
+            "-D",
+            data.to_str().unwrap(),
+            "-m",
+            "immediate",
+            "stop",
+        ]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// On a server whose `wal_level` is `replica`, CHANGE_FEED=auto follows
+/// the outbox trigger, and says so; CHANGE_FEED=replication is refused
+/// (the feed stays down, the service serves).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_a_server_without_logical_decoding_auto_is_the_trigger_mode() {
+    let Some(server) = ReplicaLevelServer::start() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "PostgreSQL 15's binaries are needed in CI"
+        );
+        eprintln!("skipped: no PostgreSQL 15 binaries");
+        return;
+    };
+    let env = TestEnv::new(3).await;
+    let url = server.url("postcache");
+    let settings = postcache::config::DatabaseSettings {
+        database_url: url.clone(),
+        db_max_connections: 2,
+        db_acquire_timeout: Duration::from_secs(10),
+        db_statement_timeout: Duration::from_secs(30),
+    };
+    postcache::db::migrate(&settings).await.unwrap();
+    sqlx::query("insert into posts (id, title, body, author) values (1, 'one', 'b', 'a')")
+        .execute(&mut PgConnection::connect(&url).await.unwrap())
+        .await
+        .unwrap();
+
+    let auto = env.spawn(&["--database-url", &url]).await;
+    let ready = auto.get("/readyz").await.json();
+    assert_eq!(ready["change_feed_mode"], "trigger", "{ready}");
+    assert_eq!(ready["change_feed"], "up", "{ready}");
+    title_of(&auto.http, 1).await;
+    sqlx::query("update posts set title = 'changed' where id = 1")
+        .execute(&mut PgConnection::connect(&url).await.unwrap())
+        .await
+        .unwrap();
+    until_titled(&auto.http, 1, "changed").await;
+
+    let asked = env
+        .spawn(&["--database-url", &url, "--change-feed", "replication"])
+        .await;
+    let ready = asked.get("/readyz").await.json();
+    assert_eq!(ready["change_feed"], "down", "{ready}");
+    assert!(ready["change_feed_mode"].is_null(), "{ready}");
+    assert_eq!(asked.get("/posts/1").await.status, 200);
+}
