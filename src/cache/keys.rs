@@ -96,6 +96,14 @@ impl Keys {
         format!("{}{{{}-changes}}:stream", self.prefix, self.kind)
     }
 
+    /// `P` + `{post-changes}:gap`: set while the replication slot is being
+    /// made again and the cutoff not yet raised for the changes no slot
+    /// kept; its value says why. The next decoder raises the cutoff if the
+    /// one that set it died first.
+    pub fn feed_gap(&self) -> String {
+        format!("{}{{{}-changes}}:gap", self.prefix, self.kind)
+    }
+
     /// `P` + `{post-changes}:position`: the outbox snapshot the fleet has
     /// applied, where a starting instance catches up from.
     pub fn feed_position(&self) -> String {

@@ -4,8 +4,9 @@
 //! ```text
 //!  every instance: a candidate ──(no beat for BEAT_STALE)──► START_REPLICATION on the slot
 //!      refused: the slot is active (another instance holds it) ─► stand by
-//!      the slot is missing or invalidated ─► make it, raise the cutoff (a gap)
-//!      held: for each transaction, at its commit
+//!      the slot is missing or invalidated ─► mark the gap, make the slot
+//!      held: a gap marked ─► raise the cutoff, clear the mark
+//!            for each transaction, at its commit
 //!          apply every post changed to Redis (fence = the commit LSN)
 //!          ─► XADD the stream (fanout.rs) ─► confirm the commit LSN to PostgreSQL
 //! ```
@@ -25,8 +26,11 @@
 //!   which no id is kept.
 //! - A gap: when the slot is missing (dropped by hand, first start) or
 //!   invalidated (`max_slot_wal_keep_size`), the changes made meanwhile are
-//!   unknown: the slot is made again and then the cutoff raised, so that
-//!   nothing read before is served as if nothing happened.
+//!   unknown: the gap is marked in Redis, the slot made again, and the
+//!   instance that holds it next raises the cutoff before it applies
+//!   anything, then clears the mark; nothing read before is served as if
+//!   nothing happened, even when the instance that made the slot dies
+//!   before the raise.
 
 use std::{
     collections::HashMap,
@@ -178,6 +182,33 @@ fn refusal(error: &pgwire_replication::PgWireError) -> Refusal {
     }
 }
 
+/// Why the fleet lost track of changes (the `why` of the gap metric).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GapWhy {
+    /// No slot (first start, or dropped by hand).
+    SlotMissing,
+    /// The slot lost WAL past `max_slot_wal_keep_size`.
+    SlotInvalidated,
+}
+
+impl GapWhy {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::SlotMissing => "slot_missing",
+            Self::SlotInvalidated => "slot_invalidated",
+        }
+    }
+
+    /// The marker's value; anything else (written by hand) counts as missing.
+    fn parse(s: &str) -> Self {
+        if s == Self::SlotInvalidated.as_str() {
+            Self::SlotInvalidated
+        } else {
+            Self::SlotMissing
+        }
+    }
+}
+
 /// The decoder's side of one instance: a candidate for the slot.
 pub(super) struct Candidate {
     pub read_path: Arc<ReadPath<PostStore>>,
@@ -253,8 +284,9 @@ struct Batch {
     /// The end of the last transaction in it.
     last: Option<Lsn>,
     first_commit_micros: i64,
-    /// When its first transaction was read.
-    started: Option<Instant>,
+    /// Until when it waits for more commits: set when its first
+    /// transaction came less than LINGER after the last batch went.
+    until: Option<Instant>,
     /// Where the server said it had sent everything, after its last
     /// transaction.
     read_to: Lsn,
@@ -264,22 +296,27 @@ struct Batch {
 
 impl Batch {
     /// Whether it may wait for more commits before it is applied: only
-    /// while commits come faster than one per LINGER (the last batch went
-    /// less than LINGER ago), so that a lone commit goes at once, and a
-    /// write load is applied once per LINGER.
+    /// while commits come faster than one per LINGER (its first came less
+    /// than LINGER after the last batch went), so that a lone commit goes
+    /// at once, and a write load is applied once per LINGER.
     fn lingers(&self) -> bool {
-        self.started.is_some() && self.flushed.is_some_and(|at| at.elapsed() < LINGER)
+        self.until.is_some_and(|until| Instant::now() < until)
     }
 
-    fn linger_left(&self) -> Duration {
-        self.flushed
-            .map_or(Duration::ZERO, |at| LINGER.saturating_sub(at.elapsed()))
+    /// Whether a commit just added makes it go: it does not linger, or it
+    /// is past its time by another LINGER (commits kept coming while it was
+    /// read: applied at least that often).
+    fn due(&self) -> bool {
+        self.posts.len() >= BATCH_MAX || self.until.is_none_or(|until| until.elapsed() >= LINGER)
     }
 
     fn add(&mut self, tx: Pending, lsn: Lsn, progress: &mut Progress) {
         if self.last.is_none() {
             self.first_commit_micros = tx.commit_time_micros;
-            self.started = Some(Instant::now());
+            self.until = self
+                .flushed
+                .map(|at| at + LINGER)
+                .filter(|until| Instant::now() < *until);
         }
         for (id, kind) in tx.posts {
             // Applied with this later change, or kept with it.
@@ -350,9 +387,6 @@ impl Candidate {
     /// aborted.
     pub async fn run(self) {
         let mut backoff = RETRY_FIRST;
-        // A gap seen, to be closed by a raise of the cutoff once the slot
-        // is held again.
-        let mut gap: Option<&'static str> = None;
         loop {
             // Stand by while another instance's beats come.
             while self.beats.fresh() {
@@ -365,6 +399,11 @@ impl Candidate {
                 }
                 Err(error) => error,
             };
+            let mut retry = || {
+                let pause = backoff;
+                backoff = (backoff * 2).min(RETRY_MAX);
+                pause
+            };
             let pause = match error
                 .downcast_ref::<pgwire_replication::PgWireError>()
                 .map(refusal)
@@ -374,47 +413,44 @@ impl Candidate {
                     // Its beats should be here soon; try again if not.
                     BEAT_STALE
                 }
-                Some(Refusal::Missing) => {
-                    let why = gap.take().unwrap_or("slot_missing");
-                    match self.make_slot().await {
-                        Ok(true) => {
-                            // Everything that changed while no slot was
-                            // there is unknown; what changes from now on
-                            // is in the slot.
-                            match self.all_posts(0).await {
-                                Ok(cutoff) => {
-                                    metrics::feed_gap(why);
-                                    tracing::warn!(why, cutoff, slot = self.slot, "change feed gap: the slot was made; every post read before now is stale fleet-wide");
-                                }
-                                Err(error) => {
-                                    tracing::warn!(error = format!("{error:#}"), "could not raise the cutoff after a gap; the slot is made again");
-                                    let _ = self.drop_slot().await;
-                                    gap = Some(why);
-                                }
-                            }
-                        }
-                        Ok(false) => {}
+                // What changes while no slot is there is unknown: the gap
+                // is marked in Redis before the slot is made, and closed by
+                // whichever instance holds the slot next (see `hold`), so
+                // that one that dies in between leaves it to the next.
+                Some(Refusal::Missing) => match self.mark_gap(GapWhy::SlotMissing).await {
+                    Ok(()) => match self.make_slot().await {
+                        Ok(()) => Duration::ZERO,
                         Err(error) => {
                             tracing::warn!(
                                 error = format!("{error:#}"),
                                 slot = self.slot,
                                 "could not make the replication slot"
                             );
-                            gap = Some(why);
+                            retry()
+                        }
+                    },
+                    Err(error) => {
+                        tracing::warn!(error = format!("{error:#}"), "could not mark the change feed's gap in Redis; the slot is made once it can be");
+                        retry()
+                    }
+                },
+                Some(Refusal::Invalidated) => {
+                    tracing::error!(slot = self.slot, "the replication slot was invalidated (it lost WAL past max_slot_wal_keep_size); making it again and invalidating everything cached");
+                    match self.mark_gap(GapWhy::SlotInvalidated).await {
+                        Ok(()) => {
+                            if let Err(error) = self.drop_slot().await {
+                                tracing::warn!(
+                                    error = format!("{error:#}"),
+                                    "could not drop the invalidated slot"
+                                );
+                            }
+                            Duration::ZERO
+                        }
+                        Err(error) => {
+                            tracing::warn!(error = format!("{error:#}"), "could not mark the change feed's gap in Redis; the slot is made again once it can be");
+                            retry()
                         }
                     }
-                    Duration::ZERO
-                }
-                Some(Refusal::Invalidated) => {
-                    gap = Some("slot_invalidated");
-                    tracing::error!(slot = self.slot, "the replication slot was invalidated (it lost WAL past max_slot_wal_keep_size); making it again and invalidating everything cached");
-                    if let Err(error) = self.drop_slot().await {
-                        tracing::warn!(
-                            error = format!("{error:#}"),
-                            "could not drop the invalidated slot"
-                        );
-                    }
-                    Duration::ZERO
                 }
                 _ => {
                     tracing::warn!(
@@ -422,9 +458,7 @@ impl Candidate {
                         slot = self.slot,
                         "change feed decoder stopped; trying again"
                     );
-                    let pause = backoff;
-                    backoff = (backoff * 2).min(RETRY_MAX);
-                    pause
+                    retry()
                 }
             };
             // Jittered, so that standbys do not all try at once.
@@ -433,8 +467,38 @@ impl Candidate {
         }
     }
 
-    /// Makes the slot; false when another instance made it first.
-    async fn make_slot(&self) -> anyhow::Result<bool> {
+    /// Marks a gap (see `Keys::feed_gap`); a gap marked already keeps its
+    /// reason.
+    async fn mark_gap(&self, why: GapWhy) -> anyhow::Result<()> {
+        let key = self.read_path.keys().feed_gap();
+        self.read_path.redis().mark_gap(&key, why.as_str()).await?;
+        Ok(())
+    }
+
+    /// Closes a gap marked in Redis, with the slot held: every post read
+    /// before now is stale fleet-wide (what changed while no slot was there
+    /// is unknown; what changes from now on is in the slot).
+    async fn close_gap(&self) -> anyhow::Result<()> {
+        let redis = self.read_path.redis();
+        let key = self.read_path.keys().feed_gap();
+        let Some(why) = redis.gap(&key).await? else {
+            return Ok(());
+        };
+        let why = GapWhy::parse(&why);
+        let cutoff = self.all_posts(0).await?;
+        redis.close_gap(&key).await?;
+        metrics::feed_gap(why.as_str());
+        tracing::warn!(
+            why = why.as_str(),
+            cutoff,
+            slot = self.slot,
+            "change feed gap: the slot was made again; every post read before now is stale fleet-wide"
+        );
+        Ok(())
+    }
+
+    /// Makes the slot, unless another instance made it first.
+    async fn make_slot(&self) -> anyhow::Result<()> {
         let made = sqlx::query(
             "select pg_create_logical_replication_slot($1, 'pgoutput')
              where not exists (select 1 from pg_replication_slots where slot_name = $1)",
@@ -445,11 +509,11 @@ impl Candidate {
         match made {
             Ok(made) if made.rows_affected() == 1 => {
                 tracing::info!(slot = self.slot, "replication slot made");
-                Ok(true)
+                Ok(())
             }
-            Ok(_) => Ok(false),
+            Ok(_) => Ok(()),
             // Made by another instance meanwhile.
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => Ok(false),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => Ok(()),
             Err(error) => Err(error.into()),
         }
     }
@@ -480,7 +544,12 @@ impl Candidate {
         );
         metrics::decoder_held(true);
         let _held = scopeguard(|| metrics::decoder_held(false));
-        let result = self.decode(&mut client).await;
+        // Before any change is applied: the raise covers what the slot
+        // does not have, and the changes it has are applied after it.
+        let result = match self.close_gap().await {
+            Ok(()) => self.decode(&mut client).await,
+            Err(error) => Err(error.context("could not close the change feed's gap")),
+        };
         client.abort();
         result
     }
@@ -531,15 +600,14 @@ impl Candidate {
                 // A batch lingers a little for more commits: under a write
                 // load that turns a round of applications, a stream entry
                 // and every instance's read per commit into one per batch.
+                // It sleeps the linger out rather than wake for each event,
+                // then reads what came meanwhile at once: a wake-up per
+                // batch, not one per commit.
                 None if batch.lingers() => {
-                    match tokio::time::timeout(batch.linger_left(), client.recv()).await {
-                        Ok(event) => event?,
-                        Err(_) => {
-                            self.flush(&mut batch, &mut progress).await?;
-                            client.update_applied_lsn(progress.confirmable());
-                            continue;
-                        }
+                    if let Some(until) = batch.until {
+                        tokio::time::sleep_until(until.into()).await;
                     }
+                    continue;
                 }
                 None => {
                     self.flush(&mut batch, &mut progress).await?;
@@ -590,7 +658,7 @@ impl Candidate {
                         continue;
                     }
                     batch.add(tx, end_lsn, &mut progress);
-                    if batch.posts.len() >= BATCH_MAX || !batch.lingers() {
+                    if batch.due() {
                         self.flush(&mut batch, &mut progress).await?;
                         client.update_applied_lsn(progress.confirmable());
                     }
@@ -623,7 +691,7 @@ impl Candidate {
     /// is applied: after a crash the server sends it again. An error ends
     /// the session unconfirmed.
     async fn flush(&self, batch: &mut Batch, progress: &mut Progress) -> anyhow::Result<()> {
-        batch.started = None;
+        batch.until = None;
         let Some(last) = batch.last.take() else {
             return Ok(());
         };

@@ -65,9 +65,14 @@ impl<S: Source> ReadPath<S> {
     ) -> Result<u64, RedisError> {
         let s = &self.settings;
         let (tombstone, lifetimes) = apply_with(s);
-        let items: Vec<_> = changes
+        let keys: Vec<_> = changes
             .iter()
-            .map(|(key, change, kind)| (self.keys.item(key), *change, *kind))
+            .map(|(key, ..)| self.keys.item(key))
+            .collect();
+        let items: Vec<_> = keys
+            .iter()
+            .zip(changes)
+            .map(|(keys, (_, change, kind))| (keys, *change, *kind))
             .collect();
         self.redis.apply_many(&items, &tombstone, lifetimes).await
     }

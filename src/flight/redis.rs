@@ -453,34 +453,9 @@ impl RedisCommands {
         tombstone: &Entry,
         lifetimes: ApplyFor,
     ) -> Result<bool, RedisError> {
-        let args: Vec<Value> = vec![
-            Value::Integer(change),
-            Value::from(match kind {
-                ChangeKind::Deleted => "delete",
-                ChangeKind::Changed => "change",
-            }),
-            Value::Integer(ms(lifetimes.fence).max(1)),
-            Value::Bytes(tombstone.raw().clone()),
-            Value::Integer(ms(lifetimes.tombstone).max(1)),
-            Value::Integer(ms(lifetimes.tombstone_copy)),
-            Value::Integer(ms(lifetimes.grace)),
-            Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
-        ];
-        let script_keys = [
-            &keys.value,
-            &keys.lock,
-            &keys.fail_safe,
-            &keys.fence,
-            &keys.applied,
-        ];
-        let applied: i64 = self
-            .unrefused(&keys.value, |c| {
-                let (script_keys, args) = (script_keys.map(String::as_str).to_vec(), args.clone());
-                async move {
-                    let apply = &self.scripts.apply;
-                    apply.evalsha_with_reload(&c, script_keys, args).await
-                }
-            })
+        // One item's keys share a slot: the script of several runs anywhere.
+        let applied = self
+            .apply_many(&[(keys, change, kind)], tombstone, lifetimes)
             .await?;
         Ok(applied == 1)
     }
@@ -492,36 +467,35 @@ impl RedisCommands {
     }
 
     /// [`RedisCommands::apply`] of several items in one round trip (see
-    /// `apply_many_lua`); how many were applied. A single Redis only.
+    /// `apply_many_lua`); how many were applied. Several items only on a
+    /// single Redis ([`RedisCommands::applies_together`]).
     pub async fn apply_many(
         &self,
-        items: &[(ItemKeys, i64, ChangeKind)],
+        items: &[(&ItemKeys, i64, ChangeKind)],
         tombstone: &Entry,
         lifetimes: ApplyFor,
     ) -> Result<u64, RedisError> {
         let Some((first, ..)) = items.first() else {
             return Ok(0);
         };
-        let mut args: Vec<Value> = vec![
+        let mut args: Vec<Value> = Vec::with_capacity(6 + items.len() * 2);
+        args.extend([
             Value::Integer(ms(lifetimes.fence).max(1)),
             Value::Bytes(tombstone.raw().clone()),
             Value::Integer(ms(lifetimes.tombstone).max(1)),
             Value::Integer(ms(lifetimes.tombstone_copy)),
             Value::Integer(ms(lifetimes.grace)),
             Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
-        ];
-        let mut script_keys: Vec<String> = Vec::with_capacity(items.len() * 5);
+        ]);
+        let mut script_keys: Vec<&str> = Vec::with_capacity(items.len() * 5);
         for (keys, change, kind) in items {
-            script_keys.extend(
-                [
-                    &keys.value,
-                    &keys.lock,
-                    &keys.fail_safe,
-                    &keys.fence,
-                    &keys.applied,
-                ]
-                .map(String::clone),
-            );
+            script_keys.extend([
+                keys.value.as_str(),
+                &keys.lock,
+                &keys.fail_safe,
+                &keys.fence,
+                &keys.applied,
+            ]);
             args.push(Value::Integer(*change));
             args.push(Value::from(match kind {
                 ChangeKind::Deleted => "delete",
@@ -598,6 +572,33 @@ impl RedisCommands {
                     .map(drop)
             }
         })
+        .await
+    }
+
+    /// The change feed's gap marker at `key` (see `Keys::feed_gap`): sets it
+    /// to `why` unless it is set already (the first reason stays). Not
+    /// through the breaker, as the stream.
+    pub async fn mark_gap(&self, key: &str, why: &str) -> Result<(), RedisError> {
+        self.unrefused(key, |c| async move {
+            c.set::<Value, _, _>(key, why, None, Some(SetOptions::NX), false)
+                .await
+                .map(drop)
+        })
+        .await
+    }
+
+    /// The change feed's gap marker at `key`: why the gap, when one is open.
+    pub async fn gap(&self, key: &str) -> Result<Option<String>, RedisError> {
+        self.unrefused(key, |c| async move { c.get(key).await })
+            .await
+    }
+
+    /// Closes the change feed's gap at `key` (the cutoff is raised).
+    pub async fn close_gap(&self, key: &str) -> Result<(), RedisError> {
+        self.unrefused(
+            key,
+            |c| async move { c.del::<Value, _>(key).await.map(drop) },
+        )
         .await
     }
 

@@ -62,7 +62,8 @@ use crate::cache::entry;
 /// constants of `cache/entry.rs` by [`with_layout`] (Lua strings count from 1).
 const FINISH_LUA: &str = include_str!("finish.lua");
 
-/// A change applied to an item's keys, in one round trip; idempotent (a
+/// The body that applies a change to an item's keys (run by
+/// [`apply_many_lua`], for one item or several); idempotent (a
 /// change already in the item's set of applied changes is skipped: applied
 /// by this instance or another, in whatever order the changes arrive).
 ///
@@ -83,9 +84,9 @@ const FINISH_LUA: &str = include_str!("finish.lua");
 /// Returns 1 when applied, 0 when skipped.
 const APPLY_LUA: &str = include_str!("apply.lua");
 
-/// Several changes, each as [`APPLY_LUA`] applies it, in one round trip
-/// (the change feed's decoder, on a single Redis: the items' keys are in
-/// different hash slots, so never on a cluster).
+/// Changes, each as [`APPLY_LUA`] applies it, in one round trip: one item
+/// anywhere (its keys share a slot), several only on a single Redis (the
+/// change feed's decoder: their keys are in different hash slots).
 /// KEYS: the five keys of each item in turn, as APPLY_LUA's.
 /// ARGV[1] fence TTL ms, ARGV[2] the tombstone, ARGV[3] its TTL ms as the
 /// value, ARGV[4] as the fail-safe copy, ARGV[5] the grace window ms,
@@ -218,7 +219,6 @@ pub(super) struct Scripts {
     pub release: Script,
     pub abandon: Script,
     pub extend: Script,
-    pub apply: Script,
     pub apply_many: Script,
     pub raise_cutoff: Script,
 }
@@ -230,19 +230,17 @@ impl Scripts {
             release: Script::from_lua(RELEASE_LUA),
             abandon: Script::from_lua(ABANDON_LUA),
             extend: Script::from_lua(EXTEND_LUA),
-            apply: Script::from_lua(with_layout(APPLY_LUA)),
             apply_many: Script::from_lua(apply_many_lua()),
             raise_cutoff: Script::from_lua(RAISE_CUTOFF_LUA),
         }
     }
 
-    fn all(&self) -> [&Script; 7] {
+    fn all(&self) -> [&Script; 6] {
         [
             &self.finish,
             &self.release,
             &self.abandon,
             &self.extend,
-            &self.apply,
             &self.apply_many,
             &self.raise_cutoff,
         ]

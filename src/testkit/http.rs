@@ -110,6 +110,12 @@ impl Http {
         self.send(method, path, &[]).await.expect("request failed")
     }
 
+    /// The title `GET /posts/{id}` serves; `None` when it is not a 200.
+    pub async fn title(&self, id: i64) -> Option<String> {
+        let reply = self.get(&format!("/posts/{id}")).await;
+        (reply.status == 200).then(|| reply.json()["title"].as_str().unwrap().to_owned())
+    }
+
     /// A series of the instance's `/metrics` (`name{labels}` as rendered),
     /// 0 when absent.
     pub async fn metric(&self, series: &str) -> f64 {

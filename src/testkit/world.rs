@@ -328,6 +328,16 @@ impl TestEnv {
         raw.map(|raw| Entry::decode(raw).expect("a decodable entry"))
     }
 
+    /// Sets a post's title by plain SQL, as any other writer would.
+    pub async fn retitle(&self, id: i64, title: &str) {
+        sqlx::query("update posts set title = $1 where id = $2")
+            .bind(title)
+            .bind(id)
+            .execute(&self.admin)
+            .await
+            .unwrap();
+    }
+
     /// PTTL of a key, in milliseconds (-2 absent, -1 no expiry).
     pub async fn pttl(&self, key: &str) -> i64 {
         self.redis.pttl(key).await.unwrap()

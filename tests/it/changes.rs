@@ -19,27 +19,12 @@ use postcache::{
 };
 use tokio::sync::Semaphore;
 
-/// Sets a post's title by plain SQL, as any other writer would.
-async fn retitle(env: &TestEnv, id: i64, title: &str) {
-    sqlx::query("update posts set title = $1 where id = $2")
-        .bind(title)
-        .bind(id)
-        .execute(&env.admin)
-        .await
-        .unwrap();
-}
-
-async fn title(app: &TestApp, id: i64) -> Option<String> {
-    let reply = app.get(&format!("/posts/{id}")).await;
-    (reply.status == 200).then(|| reply.json()["title"].as_str().unwrap().to_owned())
-}
-
 /// Waits until every instance serves post `id` with `wanted`; how long.
 async fn until_everywhere(apps: &[TestApp], id: i64, wanted: &str) -> Duration {
     let started = Instant::now();
     for app in apps {
         wait_until("the change to reach the instance", A_WHILE, async || {
-            title(app, id).await.as_deref() == Some(wanted)
+            app.http.title(id).await.as_deref() == Some(wanted)
         })
         .await;
     }
@@ -74,7 +59,7 @@ async fn updates_and_deletes_reach_every_instance(env: &TestEnv, mode: &str) {
     }
 
     for id in 1..=4 {
-        retitle(env, id, &format!("edited {id}")).await;
+        env.retitle(id, &format!("edited {id}")).await;
     }
     let mut took = Duration::ZERO;
     for id in 1..=4 {
@@ -171,7 +156,7 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
     .await;
     let waiting = other.http.spawn_get("/posts/7");
     env.until_subscribed(7).await;
-    retitle(&env, 7, "after the change").await;
+    env.retitle(7, "after the change").await;
     wait_until("the change to be applied", A_WHILE, async || {
         env.pttl(&env.keys.fence(7)).await > 0
     })
@@ -194,7 +179,10 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
     let stored = env.stored(7).await.expect("the new row is stored");
     let body: serde_json::Value = serde_json::from_slice(&stored.body()).unwrap();
     assert_eq!(body["title"], "after the change");
-    assert_eq!(title(&other, 7).await.as_deref(), Some("after the change"));
+    assert_eq!(
+        other.http.title(7).await.as_deref(),
+        Some("after the change")
+    );
     let fenced = leader.http.metric("postcache_fenced_total").await - fenced_before;
     assert!(fenced >= 1.0, "fenced {fenced} times");
 }
@@ -246,7 +234,7 @@ async fn every_change_arrives_though_the_listeners_connection_is_cut() {
             assert!(killed);
             cut.push(pid);
         }
-        retitle(&env, id, &format!("v2 of {id}")).await;
+        env.retitle(id, &format!("v2 of {id}")).await;
     }
 
     for id in 1..=20 {
@@ -271,7 +259,7 @@ async fn with_stale_while_revalidate_a_changed_post_is_served_stale_while_it_rel
     warm(std::slice::from_ref(&app), 3).await;
     let before = app.get("/posts/3").await.json()["title"].clone();
 
-    retitle(&env, 3, "refreshed").await;
+    env.retitle(3, "refreshed").await;
     wait_until("the change to be applied", A_WHILE, async || {
         env.pttl(&env.keys.fence(3)).await > 0
     })
@@ -288,7 +276,7 @@ async fn with_stale_while_revalidate_a_changed_post_is_served_stale_while_it_rel
     assert_eq!(stale.x_cache.as_deref(), Some("stale"));
     assert_eq!(stale.json()["title"], before, "the old body, marked stale");
     wait_until("the refresh", A_WHILE, async || {
-        title(&app, 3).await.as_deref() == Some("refreshed")
+        app.http.title(3).await.as_deref() == Some("refreshed")
     })
     .await;
     assert_eq!(app.get("/posts/3").await.x_cache.as_deref(), Some("hit"));
@@ -316,7 +304,7 @@ async fn invalidate_by_id_or_all_applies_what_a_change_would() {
         .await
         .unwrap();
     for id in [3, 4, 5] {
-        retitle(&env, id, "behind the feed's back").await;
+        env.retitle(id, "behind the feed's back").await;
     }
     sqlx::query("alter table posts enable trigger user")
         .execute(&env.admin)
@@ -325,7 +313,7 @@ async fn invalidate_by_id_or_all_applies_what_a_change_would() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     for app in &apps {
         assert_ne!(
-            title(app, 3).await.as_deref(),
+            app.http.title(3).await.as_deref(),
             Some("behind the feed's back")
         );
     }
@@ -339,7 +327,7 @@ async fn invalidate_by_id_or_all_applies_what_a_change_would() {
     until_everywhere(&apps, 3, "behind the feed's back").await;
     for app in &apps {
         assert_ne!(
-            title(app, 4).await.as_deref(),
+            app.http.title(4).await.as_deref(),
             Some("behind the feed's back")
         );
     }
@@ -373,7 +361,7 @@ async fn a_change_made_while_redis_is_paused_in(mode: &str, pause_ms: u64) {
     warm(std::slice::from_ref(&app), 2).await;
 
     redis.cli(&["client", "pause", &pause_ms.to_string(), "all"]);
-    retitle(&env, 2, "changed during the pause").await;
+    env.retitle(2, "changed during the pause").await;
     let paused = Instant::now();
     wait_until("the feed to say it is down", A_WHILE, async || {
         app.get("/readyz").await.json()["change_feed"] == "down"
@@ -537,12 +525,12 @@ async fn a_stalled_cluster_node_does_not_hold_back_the_other_shards_changes() {
 
     cluster.cli(stalled, &["client", "pause", "4000", "write"]);
     let paused = Instant::now();
-    retitle(&env, 1, "on the stalled shard").await;
+    env.retitle(1, "on the stalled shard").await;
     // The stalled change has failed for a while (a feed that gave up on
     // the whole catch-up would be in its backoff by now).
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let committed = Instant::now();
-    retitle(&env, other, "on a healthy shard").await;
+    env.retitle(other, "on a healthy shard").await;
     until_everywhere(apps, other, "on a healthy shard").await;
     let healthy_after = committed.elapsed();
     let during_pause = paused.elapsed() < Duration::from_millis(3500);
@@ -568,9 +556,9 @@ async fn with_the_change_feed_off_a_change_waits_for_the_ttl() {
         .await;
     warm(std::slice::from_ref(&app), 1).await;
 
-    retitle(&env, 1, "later").await;
+    env.retitle(1, "later").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let before_ttl = title(&app, 1).await;
+    let before_ttl = app.http.title(1).await;
 
     assert_ne!(before_ttl.as_deref(), Some("later"));
     assert_eq!(
