@@ -7,6 +7,8 @@ use std::{net::SocketAddr, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+pub use crate::{flight::Strategy, telemetry::LogFormat};
+
 /// postcache: serves posts from Redis in front of PostgreSQL, one load per key for the whole fleet.
 #[derive(Debug, Parser)]
 #[command(name = "postcache", version, about, long_about = None)]
@@ -17,12 +19,6 @@ pub struct Cli {
     /// Log format: `text` for people, `json` for machines. RUST_LOG filters.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -75,7 +71,7 @@ pub struct InvalidateArgs {
 }
 
 fn parse_post_id(s: &str) -> Result<i64, String> {
-    crate::http::PostId::parse(s)
+    crate::posts::PostId::parse(s)
         .map(|id| id.get())
         .map_err(|e| e.to_string())
 }
@@ -184,21 +180,6 @@ pub enum ChangeFeed {
     Trigger,
     /// The TTLs alone.
     Off,
-}
-
-/// How a read finds its way from Redis to PostgreSQL (see the load-lab issue).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Strategy {
-    /// Every request reads PostgreSQL.
-    None,
-    /// Cache-aside without any coalescing.
-    Naive,
-    /// Cache-aside with an in-process flight only.
-    Local,
-    /// Redis lock; waiters poll the value every POLL_INTERVAL.
-    Poll,
-    /// Redis lock; waiters are woken by pub/sub (the default).
-    Pubsub,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -5,13 +5,14 @@
 //!
 //! # Layout
 //! - [`config`] — settings, each a flag and an environment variable.
-//! - [`telemetry`] — logging.
+//! - [`telemetry`] — logging (its format) and the metrics.
 //! - [`startup`] — builds the service, binds, runs until a shutdown future.
 //! - [`http`] — router, handlers, the one HTTP error type, the OpenAPI
 //!   document generated with the routes, and the server of connections
 //!   (header and idle deadlines, the connection cap).
-//! - [`posts`] — the post, its JSON and its SQL; every `timestamptz`
-//!   PostgreSQL holds (`infinity`, BC years) as JSON.
+//! - [`posts`] — the post: its id (parsed wherever one arrives), its JSON
+//!   and its SQL; every `timestamptz` PostgreSQL holds (`infinity`, BC
+//!   years) as JSON.
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`flight`] — the read path: in-process flight, lock with token, shared
 //!   subscriber, per strategy. Generic over what it loads.
@@ -23,6 +24,12 @@
 //! - [`db`] — the PostgreSQL pools and the embedded migrations.
 //! - [`cli`] — `seed` (streamed, with progress), `invalidate`, `inspect`.
 //! - `testkit` (feature `testkit`) — test support shared by tests and examples.
+//!
+//! The modules depend on each other without a cycle: `config` names the
+//! types it parses into from the modules that own them (the post id from
+//! `posts`, the strategy from `flight`, the log format from `telemetry`),
+//! and `startup` turns settings into the read path's; `flight`, `cache`,
+//! `telemetry` and `posts` never read `config`.
 
 pub mod cache;
 pub mod changes;

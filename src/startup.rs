@@ -12,7 +12,7 @@ use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::{
-    cache::Keys,
+    cache::{Jitter, Keys},
     changes::Feed,
     config::{CacheSettings, ServeArgs},
     db,
@@ -60,9 +60,34 @@ pub struct Application {
     _upkeep: Option<AbortOnDropHandle<()>>,
 }
 
+/// The read path's settings from the cache settings, with LOAD_TIMEOUT as
+/// resolved (it depends on the database's settings).
+pub fn read_path_settings(c: &CacheSettings, load_timeout: Duration) -> flight::Settings {
+    flight::Settings {
+        strategy: c.cache_strategy,
+        wake: flight::Wake::of(c.cache_strategy, c.poll_interval),
+        cache_ttl: c.cache_ttl,
+        negative_ttl: c.negative_ttl,
+        jitter: Jitter::new(c.ttl_jitter),
+        lock_ttl: c.lock_ttl,
+        wait_timeout: c.wait_timeout,
+        load_timeout,
+        redis_timeout: c.redis_timeout,
+        stale_while_revalidate: c.stale_while_revalidate,
+        early_refresh_beta: c.early_refresh_beta,
+        max_stale: c.max_stale,
+        failure_ttl: c.failure_ttl,
+        max_entry_bytes: c.max_entry_bytes,
+        memory_bytes: c.l1_max_bytes,
+        memory_ttl: c.l1_ttl,
+        #[cfg(feature = "testkit")]
+        hooks: flight::Hooks::default(),
+    }
+}
+
 impl Application {
     pub async fn build(args: ServeArgs) -> anyhow::Result<Self> {
-        let settings = flight::Settings::from(&args);
+        let settings = read_path_settings(&args.cache, args.load_timeout());
         Self::build_with(args, settings).await
     }
 
@@ -71,7 +96,7 @@ impl Application {
     pub async fn build_with_hooks(args: ServeArgs, hooks: flight::Hooks) -> anyhow::Result<Self> {
         let settings = flight::Settings {
             hooks,
-            ..flight::Settings::from(&args)
+            ..read_path_settings(&args.cache, args.load_timeout())
         };
         Self::build_with(args, settings).await
     }

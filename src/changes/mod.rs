@@ -3,7 +3,7 @@
 //! of them (CHANGE_FEED; `auto` picks the first where the server allows it):
 //!
 //! ```text
-//! replication: writer ─► posts ─WAL─► the slot ─► one decoder per fleet (replication.rs)
+//! replication: writer ─► posts ─WAL─► the slot ─► one decoder per fleet (replication/)
 //!                 ─► apply to Redis ─► XADD the fleet's stream ─► every instance forgets
 //!                    (fanout.rs)         its memory tier's copy
 //! trigger:     writer ─► posts ─trigger─► post_changes (outbox) ─NOTIFY─► every instance:

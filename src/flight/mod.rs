@@ -72,6 +72,7 @@ pub use freshness::StoreFor;
 pub use nodes::Nodes;
 pub use redis::{ChangeKind, ItemSnapshot, RedisCommands, RedisError};
 pub use settings::Settings;
+pub use strategy::Strategy;
 pub use subscriber::Subscriber;
 pub use waiter::Wake;
 #[cfg(feature = "testkit")]

@@ -1,14 +1,12 @@
-//! The read path's settings, built from the serve settings.
+//! The read path's settings (built from the serve settings by
+//! `startup::read_path_settings`).
 
 use std::time::Duration;
 
 #[cfg(feature = "testkit")]
 use super::Hooks;
-use super::{strategy, Wake};
-use crate::{
-    cache::Jitter,
-    config::{CacheSettings, ServeArgs, Strategy},
-};
+use super::{Strategy, Wake};
+use crate::cache::Jitter;
 
 /// The lifetimes and bounds the read path works with.
 #[derive(Debug, Clone)]
@@ -59,38 +57,5 @@ impl Settings {
     /// twice over.
     pub fn fence_ttl(&self) -> Duration {
         2 * (self.lock_ttl + self.load_timeout)
-    }
-}
-
-impl From<&ServeArgs> for Settings {
-    fn from(args: &ServeArgs) -> Self {
-        Self::new(&args.cache, args.load_timeout())
-    }
-}
-
-impl Settings {
-    /// The read path's settings from the cache settings, with LOAD_TIMEOUT
-    /// as resolved (it depends on the database's settings).
-    pub fn new(c: &CacheSettings, load_timeout: Duration) -> Self {
-        Self {
-            strategy: c.cache_strategy,
-            wake: strategy::wake(c.cache_strategy, c.poll_interval),
-            cache_ttl: c.cache_ttl,
-            negative_ttl: c.negative_ttl,
-            jitter: Jitter::new(c.ttl_jitter),
-            lock_ttl: c.lock_ttl,
-            wait_timeout: c.wait_timeout,
-            load_timeout,
-            redis_timeout: c.redis_timeout,
-            stale_while_revalidate: c.stale_while_revalidate,
-            early_refresh_beta: c.early_refresh_beta,
-            max_stale: c.max_stale,
-            failure_ttl: c.failure_ttl,
-            max_entry_bytes: c.max_entry_bytes,
-            memory_bytes: c.l1_max_bytes,
-            memory_ttl: c.l1_ttl,
-            #[cfg(feature = "testkit")]
-            hooks: Hooks::default(),
-        }
     }
 }

@@ -15,16 +15,33 @@ use std::{
 use super::{Answer, Outcome, ReadError, ReadPath, Served, Source, Verdict, Wake};
 use crate::{
     cache::{now_millis, Status},
-    config::Strategy,
     telemetry::metrics,
 };
 
-/// How the waiters of a strategy learn that the leader is done.
-pub(super) fn wake(strategy: Strategy, poll_interval: Duration) -> Wake {
-    match strategy {
-        Strategy::Poll => Wake::Poll(poll_interval),
-        // The baselines have no waiters; pub/sub is the product.
-        Strategy::Pubsub | Strategy::None | Strategy::Naive | Strategy::Local => Wake::Message,
+/// How a read finds its way from Redis to PostgreSQL (CACHE_STRATEGY; see
+/// the load-lab issue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Strategy {
+    /// Every request reads PostgreSQL.
+    None,
+    /// Cache-aside without any coalescing.
+    Naive,
+    /// Cache-aside with an in-process flight only.
+    Local,
+    /// Redis lock; waiters poll the value every POLL_INTERVAL.
+    Poll,
+    /// Redis lock; waiters are woken by pub/sub (the default).
+    Pubsub,
+}
+
+impl Wake {
+    /// How the waiters of a strategy learn that the leader is done.
+    pub fn of(strategy: Strategy, poll_interval: Duration) -> Self {
+        match strategy {
+            Strategy::Poll => Self::Poll(poll_interval),
+            // The baselines have no waiters; pub/sub is the product.
+            Strategy::Pubsub | Strategy::None | Strategy::Naive | Strategy::Local => Self::Message,
+        }
     }
 }
 

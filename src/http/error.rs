@@ -6,8 +6,9 @@ use axum::{
     Json,
 };
 
-use super::{id::InvalidId, openapi::ErrorBody};
+use super::openapi::ErrorBody;
 use crate::flight::ReadError;
+use crate::posts::InvalidId;
 
 /// Every error a client can see. Bodies are `{"error": "..."}`; 5xx bodies
 /// never carry internals (those are logged where they happen).

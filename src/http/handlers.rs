@@ -13,13 +13,11 @@ use axum::{
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{
-    caching::CachingHeaders, error::ApiError, id::PostId, openapi::ErrorBody, served, AppState,
-};
+use super::{caching::CachingHeaders, error::ApiError, openapi::ErrorBody, served, AppState};
 use crate::{
     cache::{now_millis, Entry, Status},
     flight::{Answer, Served},
-    posts::Post,
+    posts::{Post, PostId},
     telemetry::metrics,
 };
 
@@ -236,7 +234,7 @@ fn if_none_match(validators: &IfNoneMatch, entry: &Entry) -> bool {
 /// `GET /posts/`: an empty id, a bad request rather than an unknown route
 /// (documented with `GET /posts/{id}`, whose id is empty here).
 pub async fn empty_id() -> ApiError {
-    ApiError::InvalidId(super::id::InvalidId::Empty)
+    ApiError::InvalidId(crate::posts::InvalidId::Empty)
 }
 
 /// The body of `GET /healthz`.

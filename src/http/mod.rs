@@ -5,7 +5,6 @@
 mod caching;
 mod error;
 mod handlers;
-mod id;
 pub mod openapi;
 mod served;
 mod server;
@@ -28,10 +27,10 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
+pub use crate::posts::{InvalidId, PostId};
 pub use caching::CachingHeaders;
 pub use error::ApiError;
 pub use handlers::etag;
-pub use id::{InvalidId, PostId};
 pub use server::{connection_cap, serve, ConnectionLimits};
 
 use crate::{changes::FeedStatus, flight::ReadPath, posts::PostStore, telemetry::metrics};

@@ -1,10 +1,12 @@
-//! The post: its type, its JSON and its SQL.
+//! The post: its id, its type, its JSON and its SQL.
 
+mod id;
 mod timestamp;
 
 use serde::Serialize;
 use sqlx::PgPool;
 
+pub use id::{InvalidId, PostId};
 pub use timestamp::Timestamp;
 
 /// One row of `posts`, serialised as the body of `GET /posts/{id}`.

@@ -4,7 +4,12 @@ pub mod metrics;
 
 use tracing_subscriber::{fmt, prelude::*, EnvFilter};
 
-use crate::config::LogFormat;
+/// How log lines are written (LOG_FORMAT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
 
 /// Filter used when RUST_LOG is not set.
 const DEFAULT_FILTER: &str = "info,sqlx=warn,fred=warn";

@@ -1,4 +1,5 @@
-//! The post id as it arrives in the path, parsed at the edge.
+//! The post id: a decimal integer in 1..=i64::MAX, parsed wherever one
+//! arrives (the path of `GET /posts/{id}`, the command line).
 
 use std::fmt;
 

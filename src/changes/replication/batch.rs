@@ -1,0 +1,187 @@
+//! What the decoder holds between reading and applying: the transaction
+//! being read, the batch of committed ones, and how far it has got (what
+//! may be confirmed, what waits for Redis).
+
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use pgwire_replication::Lsn;
+
+use super::BULK;
+use crate::flight::ChangeKind;
+
+/// One transaction being read.
+pub(super) struct Pending {
+    pub(super) posts: HashMap<i64, ChangeKind>,
+    /// Every post: the bound was passed, a TRUNCATE, or something that
+    /// could not be read.
+    pub(super) all: bool,
+    pub(super) commit_time_micros: i64,
+}
+
+impl Pending {
+    pub(super) fn new(commit_time_micros: i64) -> Self {
+        Self {
+            posts: HashMap::new(),
+            all: false,
+            commit_time_micros,
+        }
+    }
+
+    pub(super) fn note(&mut self, id: Option<i64>, kind: ChangeKind) {
+        if self.all {
+            return;
+        }
+        let Some(id) = id else {
+            // A row whose id is null or not sent: which post is unknown.
+            self.every_post();
+            return;
+        };
+        self.posts.insert(id, kind);
+        if self.posts.len() >= BULK {
+            self.every_post();
+        }
+    }
+
+    pub(super) fn every_post(&mut self) {
+        self.all = true;
+        self.posts = HashMap::new();
+    }
+}
+
+/// Posts gathered from several transactions before they are applied.
+pub(super) const BATCH_MAX: usize = 1_000;
+/// Under a write load, how often a batch is applied: the longest a
+/// committed transaction waits for others to be applied with.
+pub(super) const LINGER: Duration = Duration::from_millis(5);
+
+/// Committed transactions read but not applied yet: the later change of
+/// each post (applying it once, with its LSN, fences every leader that read
+/// before either).
+#[derive(Default)]
+pub(super) struct Batch {
+    pub(super) posts: HashMap<i64, (ChangeKind, u64)>,
+    /// The end of the last transaction in it.
+    pub(super) last: Option<Lsn>,
+    pub(super) first_commit_micros: i64,
+    /// Until when it waits for more commits: set when its first
+    /// transaction came less than LINGER after the last batch went.
+    pub(super) until: Option<Instant>,
+    /// Where the server said it had sent everything, after its last
+    /// transaction.
+    pub(super) read_to: Lsn,
+    /// When the last batch was applied.
+    pub(super) flushed: Option<Instant>,
+}
+
+impl Batch {
+    /// Whether it may wait for more commits before it is applied: only
+    /// while commits come faster than one per LINGER (its first came less
+    /// than LINGER after the last batch went), so that a lone commit goes
+    /// at once, and a write load is applied once per LINGER.
+    pub(super) fn lingers(&self) -> bool {
+        self.until.is_some_and(|until| Instant::now() < until)
+    }
+
+    /// Whether a commit just added makes it go: it does not linger, or it
+    /// is past its time by another LINGER (commits kept coming while it was
+    /// read: applied at least that often).
+    pub(super) fn due(&self) -> bool {
+        self.posts.len() >= BATCH_MAX || self.until.is_none_or(|until| until.elapsed() >= LINGER)
+    }
+
+    pub(super) fn add(&mut self, tx: Pending, lsn: Lsn, progress: &mut Progress) {
+        if self.last.is_none() {
+            self.first_commit_micros = tx.commit_time_micros;
+            self.until = self
+                .flushed
+                .map(|at| at + LINGER)
+                .filter(|until| Instant::now() < *until);
+        }
+        for (id, kind) in tx.posts {
+            // Applied with this later change, or kept with it.
+            progress.retry.remove(&id);
+            self.posts.insert(id, (kind, lsn.0));
+        }
+        self.last = Some(lsn);
+    }
+}
+
+/// Most changes kept for a retry; past it, one raise of the cutoff.
+pub(super) const RETRY_LIST_MAX: usize = 10_000;
+
+/// How far the decoder has got.
+#[derive(Default)]
+pub(super) struct Progress {
+    /// Everything the server sent up to here is read (applied, or waiting
+    /// in `retry`).
+    pub(super) applied: Lsn,
+    /// The last position before the oldest change that waits: confirmed
+    /// while something waits.
+    pub(super) held_at: Option<Lsn>,
+    /// Changes that could not be applied yet: the later of each post's,
+    /// with its commit LSN.
+    pub(super) retry: HashMap<i64, (ChangeKind, u64)>,
+}
+
+impl Progress {
+    pub(super) fn read_to(&mut self, lsn: Lsn) {
+        self.applied = self.applied.max(lsn);
+        if self.retry.is_empty() {
+            self.held_at = None;
+        }
+    }
+
+    pub(super) fn keep(&mut self, id: i64, kind: ChangeKind, lsn: u64) {
+        if self.held_at.is_none() {
+            self.held_at = Some(self.applied);
+        }
+        match self.retry.get(&id) {
+            Some((_, kept)) if *kept > lsn => {}
+            _ => {
+                self.retry.insert(id, (kind, lsn));
+            }
+        }
+    }
+
+    /// What may be confirmed to the server: everything before the oldest
+    /// change that waits.
+    pub(super) fn confirmable(&self) -> Lsn {
+        match self.held_at {
+            Some(at) if !self.retry.is_empty() => at,
+            _ => self.applied,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_transaction_past_the_bound_keeps_no_ids() {
+        let mut tx = Pending::new(0);
+        for id in 0..BULK as i64 - 1 {
+            tx.note(Some(id), ChangeKind::Changed);
+        }
+        assert!(!tx.all);
+        tx.note(Some(-1), ChangeKind::Deleted);
+        assert!(tx.all);
+        assert!(tx.posts.is_empty() && tx.posts.capacity() == 0);
+        tx.note(Some(5), ChangeKind::Changed);
+        assert!(tx.posts.is_empty());
+    }
+
+    #[test]
+    fn the_last_change_of_a_post_in_a_transaction_decides() {
+        let mut tx = Pending::new(0);
+        tx.note(Some(1), ChangeKind::Changed);
+        tx.note(Some(1), ChangeKind::Deleted);
+        tx.note(Some(2), ChangeKind::Deleted);
+        tx.note(Some(2), ChangeKind::Changed);
+        assert_eq!(tx.posts[&1], ChangeKind::Deleted);
+        assert_eq!(tx.posts[&2], ChangeKind::Changed);
+    }
+}

@@ -1,0 +1,148 @@
+//! The replication connection: its settings, from DATABASE_URL, and how
+//! the server refuses a slot.
+
+use std::{collections::HashMap, time::Duration};
+
+use anyhow::Context;
+use pgwire_replication::{ReplicationConfig, SslMode, TlsConfig};
+
+use super::PUBLICATION;
+
+/// Events buffered between the replication connection and the decoder.
+const BUFFERED: usize = 256;
+
+/// The replication connection's settings, from DATABASE_URL.
+pub fn replication_config(database_url: &str, slot: &str) -> anyhow::Result<ReplicationConfig> {
+    let url = url::Url::parse(database_url).context("invalid DATABASE_URL")?;
+    let query: HashMap<String, String> = url.query_pairs().into_owned().collect();
+    let decode = |s: &str| {
+        percent_decode(s).with_context(|| format!("invalid percent-encoding in DATABASE_URL: {s}"))
+    };
+    let host = match query.get("host") {
+        Some(host) => host.clone(),
+        None => url
+            .host_str()
+            .unwrap_or("localhost")
+            .trim_matches(['[', ']'])
+            .to_owned(),
+    };
+    let user = decode(url.username())?;
+    let user = if user.is_empty() {
+        query
+            .get("user")
+            .cloned()
+            .unwrap_or_else(|| "postgres".into())
+    } else {
+        user
+    };
+    let password = decode(url.password().unwrap_or(""))?;
+    let database = decode(url.path().trim_start_matches('/'))?;
+    let database = if database.is_empty() {
+        user.clone()
+    } else {
+        database
+    };
+    let mode = match query.get("sslmode").map(String::as_str) {
+        Some("disable") => SslMode::Disable,
+        Some("require") => SslMode::Require,
+        Some("verify-ca") => SslMode::VerifyCa,
+        Some("verify-full") => SslMode::VerifyFull,
+        // sqlx's default, as libpq's.
+        _ => SslMode::Prefer,
+    };
+    let tls = TlsConfig {
+        mode,
+        ca_pem_path: query.get("sslrootcert").map(Into::into),
+        client_cert_pem_path: query.get("sslcert").map(Into::into),
+        client_key_pem_path: query.get("sslkey").map(Into::into),
+        ..TlsConfig::default()
+    };
+    let mut config = ReplicationConfig::new(host, user, password, database, slot, PUBLICATION)
+        .with_tls(tls)
+        .with_buffer_size(BUFFERED)
+        .with_status_interval(Duration::from_millis(200))
+        .with_wakeup_interval(Duration::from_secs(5))
+        .with_application_name("postcache-decoder");
+    if let Some(port) = url.port() {
+        config = config.with_port(port);
+    }
+    Ok(config)
+}
+
+fn percent_decode(s: &str) -> anyhow::Result<String> {
+    Ok(percent_encoding::percent_decode_str(s)
+        .decode_utf8()?
+        .into_owned())
+}
+
+/// Why the slot could not be streamed.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Refusal {
+    /// Another session streams it: stand by.
+    Held,
+    /// It does not exist.
+    Missing,
+    /// It lost WAL it needs (`max_slot_wal_keep_size`).
+    Invalidated,
+    /// Anything else (PostgreSQL down, no privilege, no publication).
+    Other,
+}
+
+pub(super) fn refusal(error: &pgwire_replication::PgWireError) -> Refusal {
+    let text = error.to_string();
+    if text.contains("55006") || text.contains("is active for PID") {
+        Refusal::Held
+    } else if text.contains("42704") || text.contains("does not exist") && text.contains("slot") {
+        Refusal::Missing
+    } else if text.contains("can no longer get changes") || text.contains("has been invalidated") {
+        Refusal::Invalidated
+    } else {
+        Refusal::Other
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_replication_connection_follows_database_url() {
+        let c = replication_config(
+            "postgres://us%40er:p%2Fw@db.example:6543/my%20db?sslmode=require",
+            "s",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                c.host.as_str(),
+                c.port,
+                c.user.as_str(),
+                c.password.as_str()
+            ),
+            ("db.example", 6543, "us@er", "p/w")
+        );
+        assert_eq!(c.database, "my db");
+        assert_eq!(c.tls.mode, SslMode::Require);
+
+        let d = replication_config("postgres://postgres@127.0.0.1/postcache", "s").unwrap();
+        assert_eq!((d.port, d.tls.mode), (5432, SslMode::Prefer));
+        let socket = replication_config("postgres:///postcache?host=/run/postgresql", "s").unwrap();
+        assert_eq!(socket.host, "/run/postgresql");
+    }
+
+    #[test]
+    fn refusals_are_told_apart() {
+        use pgwire_replication::PgWireError::Server;
+        let held = Server("replication slot \"s\" is active for PID 12 (SQLSTATE 55006)".into());
+        let missing = Server("replication slot \"s\" does not exist (SQLSTATE 42704)".into());
+        let lost =
+            Server("can no longer get changes from replication slot \"s\" (SQLSTATE 55000)".into());
+        assert_eq!(refusal(&held), Refusal::Held);
+        assert_eq!(refusal(&missing), Refusal::Missing);
+        assert_eq!(refusal(&lost), Refusal::Invalidated);
+        assert_eq!(
+            refusal(&Server("connection refused".into())),
+            Refusal::Other
+        );
+    }
+}

@@ -1,0 +1,313 @@
+//! The decoder at work, holding the slot: each committed transaction's
+//! changed posts, gathered into batches, applied to Redis and appended to
+//! the stream; the LSN confirmed once they are.
+
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use futures::{stream, FutureExt, StreamExt};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+
+use super::{
+    batch::{Batch, Pending, Progress, RETRY_LIST_MAX},
+    Candidate,
+};
+use crate::{
+    changes::{
+        fanout::{self, Entry, BEAT_EVERY},
+        pgoutput::{self, Layouts, Message},
+    },
+    flight::ChangeKind,
+    telemetry::metrics,
+};
+
+/// Changes applied to Redis at once, one script each (a Redis Cluster).
+const APPLYING: usize = 64;
+/// Changes applied by one script on a single Redis.
+const APPLIED_TOGETHER: usize = 100;
+
+/// What the decoder keeps of the relations it was told of.
+#[derive(Default)]
+struct Relations(HashMap<u32, pgoutput::Relation>);
+
+impl Layouts for Relations {
+    fn id_column(&self, relation: u32) -> Option<usize> {
+        self.0.get(&relation).and_then(|r| r.id_column)
+    }
+}
+
+/// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
+const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+fn since_commit(commit_time_micros: i64) -> Duration {
+    let now = crate::cache::now_millis() as i64 * 1000;
+    Duration::from_micros((now - (commit_time_micros + PG_EPOCH_MICROS)).max(0) as u64)
+}
+
+impl Candidate {
+    pub(super) async fn decode(&self, client: &mut ReplicationClient) -> anyhow::Result<()> {
+        let mut relations = Relations::default();
+        let mut pending: Option<Pending> = None;
+        let mut batch = Batch::default();
+        let mut progress = Progress::default();
+        let mut server_end = Lsn(0);
+        // The server sends a keepalive once it has sent everything up to
+        // its end: only then do the beats say this decoder keeps up.
+        let mut caught_up = false;
+        let mut beat = tokio::time::interval(BEAT_EVERY);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            // What is here already is read before anything is applied, so
+            // that a burst of commits costs one round of applications and
+            // one stream entry; once nothing more is here, the batch goes.
+            let event = match client.recv().now_or_never() {
+                Some(event) => event?,
+                // A batch lingers a little for more commits: under a write
+                // load that turns a round of applications, a stream entry
+                // and every instance's read per commit into one per batch.
+                // It sleeps the linger out rather than wake for each event,
+                // then reads what came meanwhile at once: a wake-up per
+                // batch, not one per commit.
+                None if batch.lingers() => {
+                    if let Some(until) = batch.until {
+                        tokio::time::sleep_until(until.into()).await;
+                    }
+                    continue;
+                }
+                None => {
+                    self.flush(&mut batch, &mut progress).await?;
+                    client.update_applied_lsn(progress.confirmable());
+                    tokio::select! {
+                        event = client.recv() => event?,
+                        _ = beat.tick() => {
+                            self.retry(&mut progress).await?;
+                            if caught_up && pending.is_none() && progress.retry.is_empty() {
+                                let behind = server_end.0.saturating_sub(progress.applied.0);
+                                let entry = Entry::Beat { lsn: progress.applied.0, behind };
+                                fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
+                                metrics::feed_lag_bytes(behind);
+                            }
+                            client.update_applied_lsn(progress.confirmable());
+                            continue;
+                        }
+                    }
+                }
+            };
+            let Some(event) = event else {
+                anyhow::bail!("the replication stream ended");
+            };
+            match event {
+                ReplicationEvent::Begin {
+                    commit_time_micros, ..
+                } => pending = Some(Pending::new(commit_time_micros)),
+                ReplicationEvent::XLogData { data, wal_end, .. } => {
+                    server_end = server_end.max(wal_end);
+                    let Some(tx) = pending.as_mut() else {
+                        continue;
+                    };
+                    read_message(&data, &mut relations, tx);
+                }
+                ReplicationEvent::Commit { end_lsn, .. } => {
+                    let Some(tx) = pending.take() else {
+                        continue;
+                    };
+                    server_end = server_end.max(end_lsn);
+                    if tx.all {
+                        self.flush(&mut batch, &mut progress).await?;
+                        self.all_posts(end_lsn.0).await?;
+                        metrics::change_applied("all", since_commit(tx.commit_time_micros));
+                        // Every post: what waited is covered.
+                        progress.retry.clear();
+                        progress.read_to(end_lsn);
+                        client.update_applied_lsn(progress.confirmable());
+                        continue;
+                    }
+                    batch.add(tx, end_lsn, &mut progress);
+                    if batch.due() {
+                        self.flush(&mut batch, &mut progress).await?;
+                        client.update_applied_lsn(progress.confirmable());
+                    }
+                }
+                ReplicationEvent::KeepAlive { wal_end, .. } => {
+                    tracing::trace!(%wal_end, "keepalive");
+                    server_end = server_end.max(wal_end);
+                    caught_up = true;
+                    if pending.is_none() {
+                        // Nothing of ours is open: everything the server
+                        // sent is read, once the batch is applied (the
+                        // server sends one whenever it waits for WAL: the
+                        // batch lingers on).
+                        if batch.last.is_some() {
+                            batch.read_to = batch.read_to.max(wal_end);
+                        } else {
+                            progress.read_to(wal_end);
+                            client.update_applied_lsn(progress.confirmable());
+                        }
+                    }
+                }
+                ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+            }
+        }
+    }
+
+    /// Applies the committed transactions read so far to Redis, then
+    /// appends them to the stream as one entry. What fails (a node down)
+    /// waits in the retry list, and holds the confirmed LSN back until it
+    /// is applied: after a crash the server sends it again. An error ends
+    /// the session unconfirmed.
+    async fn flush(&self, batch: &mut Batch, progress: &mut Progress) -> anyhow::Result<()> {
+        batch.until = None;
+        let Some(last) = batch.last.take() else {
+            return Ok(());
+        };
+        batch.flushed = Some(Instant::now());
+        let lag = since_commit(batch.first_commit_micros);
+        let changes: Vec<(i64, ChangeKind, u64)> = batch
+            .posts
+            .drain()
+            .map(|(id, (kind, lsn))| (id, kind, lsn))
+            .collect();
+        self.apply(changes, last, lag, progress).await?;
+        progress.read_to(last.max(std::mem::take(&mut batch.read_to)));
+        Ok(())
+    }
+
+    /// Applies changes, appends those applied to the stream, and keeps the
+    /// others for a retry (past RETRY_LIST_MAX, one raise of the cutoff instead).
+    async fn apply(
+        &self,
+        changes: Vec<(i64, ChangeKind, u64)>,
+        lsn: Lsn,
+        lag: Duration,
+        progress: &mut Progress,
+    ) -> anyhow::Result<()> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let results: Vec<((i64, ChangeKind, u64), bool)> = if self
+            .read_path
+            .redis()
+            .applies_together()
+        {
+            // One script per chunk: far fewer round trips and script
+            // calls than one per post.
+            let chunks: Vec<Vec<(i64, ChangeKind, u64)>> = changes
+                .chunks(APPLIED_TOGETHER)
+                .map(<[_]>::to_vec)
+                .collect();
+            stream::iter(chunks)
+                    .map(|chunk| {
+                        let read_path = self.read_path.clone();
+                        async move {
+                            let items: Vec<(i64, i64, ChangeKind)> = chunk
+                                .iter()
+                                .map(|(id, kind, lsn)| (*id, *lsn as i64, *kind))
+                                .collect();
+                            let done = read_path.invalidate_many_in_redis(&items).await;
+                            if let Err(error) = &done {
+                                tracing::debug!(%error, posts = chunk.len(), "changes not applied; retrying");
+                            }
+                            let ok = done.is_ok();
+                            chunk.into_iter().map(move |change| (change, ok)).collect::<Vec<_>>()
+                        }
+                    })
+                    .buffer_unordered(4)
+                    .flat_map(stream::iter)
+                    .collect()
+                    .await
+        } else {
+            stream::iter(changes)
+                .map(|change| {
+                    let read_path = self.read_path.clone();
+                    async move {
+                        let (id, kind, lsn) = change;
+                        let done = read_path.invalidate_in_redis(&id, lsn as i64, kind).await;
+                        if let Err(error) = &done {
+                            tracing::debug!(%error, id, "change not applied; retrying");
+                        }
+                        (change, done.is_ok())
+                    }
+                })
+                .buffer_unordered(APPLYING)
+                .collect()
+                .await
+        };
+        let mut ids = Vec::with_capacity(results.len());
+        for ((id, kind, at), done) in results {
+            if done {
+                metrics::change_applied(
+                    match kind {
+                        ChangeKind::Deleted => "delete",
+                        ChangeKind::Changed => "update",
+                    },
+                    lag,
+                );
+                ids.push(id);
+            } else {
+                progress.keep(id, kind, at);
+            }
+        }
+        if progress.retry.len() > RETRY_LIST_MAX {
+            tracing::warn!(
+                waiting = progress.retry.len(),
+                "too many changes wait for Redis: every post is invalidated instead"
+            );
+            self.all_posts(lsn.0).await?;
+            progress.retry.clear();
+        }
+        if !ids.is_empty() {
+            fanout::append(
+                self.read_path.redis(),
+                &self.stream_key,
+                &Entry::Posts { lsn: lsn.0, ids },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Tries again what waits for Redis.
+    async fn retry(&self, progress: &mut Progress) -> anyhow::Result<()> {
+        if progress.retry.is_empty() {
+            return Ok(());
+        }
+        let waiting: Vec<(i64, ChangeKind, u64)> = progress
+            .retry
+            .drain()
+            .map(|(id, (kind, lsn))| (id, kind, lsn))
+            .collect();
+        let newest = waiting.iter().map(|c| c.2).max().unwrap_or(0);
+        self.apply(waiting, Lsn(newest), Duration::ZERO, progress)
+            .await
+    }
+}
+
+/// Reads one message into the transaction.
+fn read_message(data: &[u8], relations: &mut Relations, tx: &mut Pending) {
+    match pgoutput::decode(data, relations) {
+        Ok(Message::Relation(relation)) => {
+            if relation.id_column.is_none() {
+                tracing::warn!(
+                    relation = relation.name,
+                    "a published relation has no id column: its changes invalidate every post"
+                );
+            }
+            relations.0.insert(relation.oid, relation);
+        }
+        Ok(Message::Changed { id, .. }) => tx.note(id, ChangeKind::Changed),
+        Ok(Message::Deleted { id, .. }) => tx.note(id, ChangeKind::Deleted),
+        Ok(Message::Moved { from, to, .. }) => {
+            tx.note(from, ChangeKind::Deleted);
+            tx.note(to, ChangeKind::Changed);
+        }
+        Ok(Message::Truncated(_)) => tx.every_post(),
+        Ok(Message::Other) => {}
+        Err(error) => {
+            metrics::change_skipped("undecodable");
+            tracing::warn!(%error, "a replication message could not be read: every post is invalidated");
+            tx.every_post();
+        }
+    }
+}

@@ -1,0 +1,375 @@
+//! CHANGE_FEED=replication: the changes to `posts` read from PostgreSQL's
+//! logical replication, by one decoder for the whole fleet.
+//!
+//! ```text
+//!  every instance: a candidate ──(no beat for BEAT_STALE)──► START_REPLICATION on the slot
+//!      refused: the slot is active (another instance holds it) ─► stand by
+//!      the slot is missing or invalidated ─► mark the gap, make the slot
+//!      held: a gap marked ─► raise the cutoff, clear the mark
+//!            for each transaction, at its commit
+//!          apply every post changed to Redis (fence = the commit LSN)
+//!          ─► XADD the stream (fanout.rs) ─► confirm the commit LSN to PostgreSQL
+//! ```
+//!
+//! - Election: PostgreSQL lets one connection at a time stream a slot, so
+//!   the instance whose START_REPLICATION is accepted is the decoder. The
+//!   others try again only once its beats stop (its process died, or it
+//!   lost its connection), within a few seconds.
+//! - Nothing is lost: the decoder confirms an LSN only once everything up
+//!   to it is in Redis (applied and appended to the stream), so after a
+//!   crash the next decoder is sent again what was not confirmed; applying
+//!   is idempotent. A change that cannot be applied (Redis down) ends the
+//!   session, and the next one starts from the confirmed LSN.
+//! - Bounded: a transaction is read message by message and only the ids of
+//!   the posts it changed are kept; past BULK posts (or for a TRUNCATE, or
+//!   a message that cannot be read) it becomes one raise of the cutoff, for
+//!   which no id is kept.
+//! - A gap: when the slot is missing (dropped by hand, first start) or
+//!   invalidated (`max_slot_wal_keep_size`), the changes made meanwhile are
+//!   unknown: the gap is marked in Redis, the slot made again, and the
+//!   instance that holds it next raises the cutoff before it applies
+//!   anything, then clears the mark; nothing read before is served as if
+//!   nothing happened, even when the instance that made the slot dies
+//!   before the raise.
+//!
+//! Here the election, the slot and the gap; the connection's settings and
+//! refusals in `connection.rs`; reading and applying the changes in
+//! `decode.rs`.
+
+mod batch;
+mod connection;
+mod decode;
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use pgwire_replication::ReplicationClient;
+use rand::Rng;
+use sqlx::PgPool;
+
+pub use connection::replication_config;
+use connection::{refusal, Refusal};
+
+use super::fanout::{self, Beats, Entry, BEAT_STALE};
+use crate::{config::DatabaseSettings, flight::ReadPath, posts::PostStore, telemetry::metrics};
+
+/// The publication of `posts` (migration 0004).
+pub const PUBLICATION: &str = "postcache_posts";
+/// A transaction that changes this many posts or more is one raise of the
+/// cutoff, not one application per post.
+pub const BULK: usize = 10_000;
+/// How often a standby looks at whether the decoder's beats stopped.
+const STANDBY_EVERY: Duration = Duration::from_millis(500);
+/// Pauses after a failed attempt to hold the slot.
+const RETRY_FIRST: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(3);
+
+/// The slot of a fleet: named after its database and KEY_PREFIX (slot names
+/// are at most 63 characters of `a-z`, `0-9` and `_`).
+pub fn slot_name(database: &str, key_prefix: &str) -> String {
+    let readable: String = database
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .take(30)
+        .collect();
+    let hash = xxhash_rust::xxh3::xxh3_64(format!("{database}\0{key_prefix}").as_bytes());
+    format!("postcache_{readable}_{hash:016x}")
+}
+
+/// Why the fleet lost track of changes (the `why` of the gap metric).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GapWhy {
+    /// No slot (first start, or dropped by hand).
+    SlotMissing,
+    /// The slot lost WAL past `max_slot_wal_keep_size`.
+    SlotInvalidated,
+}
+
+impl GapWhy {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::SlotMissing => "slot_missing",
+            Self::SlotInvalidated => "slot_invalidated",
+        }
+    }
+
+    /// The marker's value; anything else (written by hand) counts as missing.
+    fn parse(s: &str) -> Self {
+        if s == Self::SlotInvalidated.as_str() {
+            Self::SlotInvalidated
+        } else {
+            Self::SlotMissing
+        }
+    }
+}
+
+/// The decoder's side of one instance: a candidate for the slot.
+pub(super) struct Candidate {
+    pub read_path: Arc<ReadPath<PostStore>>,
+    pub database: DatabaseSettings,
+    /// For making, dropping and measuring the slot (one connection).
+    pub pool: PgPool,
+    pub slot: String,
+    pub stream_key: String,
+    pub beats: Arc<Beats>,
+}
+
+impl Candidate {
+    /// Stands by, and holds the slot whenever no other instance does, until
+    /// aborted.
+    pub async fn run(self) {
+        let mut backoff = RETRY_FIRST;
+        loop {
+            // Stand by while another instance's beats come.
+            while self.beats.fresh() {
+                tokio::time::sleep(STANDBY_EVERY).await;
+            }
+            let error = match self.hold().await {
+                Ok(()) => {
+                    backoff = RETRY_FIRST;
+                    continue;
+                }
+                Err(error) => error,
+            };
+            let mut retry = || {
+                let pause = backoff;
+                backoff = (backoff * 2).min(RETRY_MAX);
+                pause
+            };
+            let pause = match error
+                .downcast_ref::<pgwire_replication::PgWireError>()
+                .map(refusal)
+            {
+                Some(Refusal::Held) => {
+                    tracing::debug!("the slot is held by another instance; standing by");
+                    // Its beats should be here soon; try again if not.
+                    BEAT_STALE
+                }
+                // What changes while no slot is there is unknown: the gap
+                // is marked in Redis before the slot is made, and closed by
+                // whichever instance holds the slot next (see `hold`), so
+                // that one that dies in between leaves it to the next.
+                Some(Refusal::Missing) => match self.mark_gap(GapWhy::SlotMissing).await {
+                    Ok(()) => match self.make_slot().await {
+                        Ok(()) => Duration::ZERO,
+                        Err(error) => {
+                            tracing::warn!(
+                                error = format!("{error:#}"),
+                                slot = self.slot,
+                                "could not make the replication slot"
+                            );
+                            retry()
+                        }
+                    },
+                    Err(error) => {
+                        tracing::warn!(error = format!("{error:#}"), "could not mark the change feed's gap in Redis; the slot is made once it can be");
+                        retry()
+                    }
+                },
+                Some(Refusal::Invalidated) => {
+                    tracing::error!(slot = self.slot, "the replication slot was invalidated (it lost WAL past max_slot_wal_keep_size); making it again and invalidating everything cached");
+                    match self.mark_gap(GapWhy::SlotInvalidated).await {
+                        Ok(()) => {
+                            if let Err(error) = self.drop_slot().await {
+                                tracing::warn!(
+                                    error = format!("{error:#}"),
+                                    "could not drop the invalidated slot"
+                                );
+                            }
+                            Duration::ZERO
+                        }
+                        Err(error) => {
+                            tracing::warn!(error = format!("{error:#}"), "could not mark the change feed's gap in Redis; the slot is made again once it can be");
+                            retry()
+                        }
+                    }
+                }
+                _ => {
+                    tracing::warn!(
+                        error = format!("{error:#}"),
+                        slot = self.slot,
+                        "change feed decoder stopped; trying again"
+                    );
+                    retry()
+                }
+            };
+            // Jittered, so that standbys do not all try at once.
+            let jitter = rand::rng().random_range(0.0..0.5);
+            tokio::time::sleep(pause.mul_f64(1.0 + jitter)).await;
+        }
+    }
+
+    /// Marks a gap (see `Keys::feed_gap`); a gap marked already keeps its
+    /// reason.
+    async fn mark_gap(&self, why: GapWhy) -> anyhow::Result<()> {
+        let key = self.read_path.keys().feed_gap();
+        self.read_path.redis().mark_gap(&key, why.as_str()).await?;
+        Ok(())
+    }
+
+    /// Closes a gap marked in Redis, with the slot held: every post read
+    /// before now is stale fleet-wide (what changed while no slot was there
+    /// is unknown; what changes from now on is in the slot).
+    async fn close_gap(&self) -> anyhow::Result<()> {
+        let redis = self.read_path.redis();
+        let key = self.read_path.keys().feed_gap();
+        let Some(why) = redis.gap(&key).await? else {
+            return Ok(());
+        };
+        let why = GapWhy::parse(&why);
+        let cutoff = self.all_posts(0).await?;
+        redis.close_gap(&key).await?;
+        metrics::feed_gap(why.as_str());
+        tracing::warn!(
+            why = why.as_str(),
+            cutoff,
+            slot = self.slot,
+            "change feed gap: the slot was made again; every post read before now is stale fleet-wide"
+        );
+        Ok(())
+    }
+
+    /// Makes the slot, unless another instance made it first.
+    async fn make_slot(&self) -> anyhow::Result<()> {
+        let made = sqlx::query(
+            "select pg_create_logical_replication_slot($1, 'pgoutput')
+             where not exists (select 1 from pg_replication_slots where slot_name = $1)",
+        )
+        .bind(&self.slot)
+        .execute(&self.pool)
+        .await;
+        match made {
+            Ok(made) if made.rows_affected() == 1 => {
+                tracing::info!(slot = self.slot, "replication slot made");
+                Ok(())
+            }
+            Ok(_) => Ok(()),
+            // Made by another instance meanwhile.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => Ok(()),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    async fn drop_slot(&self) -> anyhow::Result<()> {
+        sqlx::query(
+            "select pg_drop_replication_slot(slot_name) from pg_replication_slots
+             where slot_name = $1 and not active",
+        )
+        .bind(&self.slot)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Holds the slot and decodes until the session ends (an error).
+    async fn hold(&self) -> anyhow::Result<()> {
+        let config = replication_config(&self.database.database_url, &self.slot)?;
+        let mut client = ReplicationClient::connect(config).await?;
+        let limit = self.database.db_acquire_timeout + self.database.db_statement_timeout;
+        match tokio::time::timeout(limit, client.wait_started()).await {
+            Ok(started) => started?,
+            Err(_) => anyhow::bail!("START_REPLICATION: no answer within {limit:?}"),
+        }
+        tracing::info!(
+            slot = self.slot,
+            "holding the replication slot: this instance decodes the fleet's changes"
+        );
+        metrics::decoder_held(true);
+        let _held = scopeguard(|| metrics::decoder_held(false));
+        // Before any change is applied: the raise covers what the slot
+        // does not have, and the changes it has are applied after it.
+        let result = match self.close_gap().await {
+            Ok(()) => self.decode(&mut client).await,
+            Err(error) => Err(error.context("could not close the change feed's gap")),
+        };
+        client.abort();
+        result
+    }
+
+    /// Raises the cutoff for change `lsn` and says so on the stream; the
+    /// cutoff in force.
+    async fn all_posts(&self, lsn: u64) -> anyhow::Result<u64> {
+        let redis = self.read_path.redis();
+        let change = (lsn > 0).then_some(lsn as i64);
+        let cutoff = match change {
+            Some(change) => self.read_path.invalidate_all(change).await?,
+            None => {
+                let keys = self.read_path.keys();
+                let cutoff = redis
+                    .raise_cutoff(
+                        &keys.cutoff(),
+                        &keys.cutoffs_applied(),
+                        crate::cache::now_millis(),
+                        None,
+                        Duration::from_secs(1),
+                    )
+                    .await?;
+                self.read_path.forget_all();
+                cutoff
+            }
+        };
+        fanout::append(redis, &self.stream_key, &Entry::All { lsn }).await?;
+        Ok(cutoff)
+    }
+
+    /// How far the slot is behind the server, in bytes, when no decoder
+    /// holds it (read from PostgreSQL: the decoder's beats say it
+    /// otherwise); `None` when there is no slot.
+    pub async fn slot_lag(pool: &PgPool, slot: &str) -> sqlx::Result<Option<i64>> {
+        sqlx::query_scalar(
+            "select pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint
+             from pg_replication_slots where slot_name = $1",
+        )
+        .bind(slot)
+        .fetch_optional(pool)
+        .await
+        .map(Option::flatten)
+    }
+}
+
+/// Runs `f` when dropped.
+fn scopeguard(f: impl FnOnce()) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f()
+            }
+        }
+    }
+    Guard(Some(f))
+}
+
+/// The instant a beat was last seen, for the lag in seconds.
+pub fn seconds_since(at: Instant) -> f64 {
+    at.elapsed().as_secs_f64()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_names_are_legal_and_differ_by_database_and_prefix() {
+        let a = slot_name("postcache", "");
+        let b = slot_name("postcache", "p:");
+        let c = slot_name("Post-Cache.Ünï", "");
+        let long = slot_name(&"x".repeat(200), "a-very-long-prefix:");
+        for name in [&a, &b, &c, &long] {
+            assert!(name.len() <= 63, "{name}");
+            assert!(name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
+        }
+        assert_ne!(a, b);
+        assert!(a.starts_with("postcache_postcache_"));
+    }
+}
