@@ -10,6 +10,7 @@
 //   SUMMARY_JSON where to write the JSON summary
 import { check } from 'k6';
 import { getPost, summarize, trendStats } from './lib.js';
+import { zipfSampler } from './zipf-sampler.js';
 
 const rate = parseInt(__ENV.RATE || '1000', 10);
 const maxId = parseInt(__ENV.MAX_ID || '100000', 10);
@@ -33,13 +34,8 @@ export const options = {
   summaryTrendStats: trendStats,
 };
 
-// Inverse transform of the continuous Zipf (power-law) approximation on [1, maxId].
-function zipfId() {
-  const u = Math.random();
-  const a = 1 - s;
-  const x = Math.pow((Math.pow(maxId + 1, a) - 1) * u + 1, 1 / a);
-  return Math.min(maxId, Math.max(1, Math.floor(x)));
-}
+// Exact Zipf(s) over 1..maxId (see zipf-sampler.js).
+const zipfId = zipfSampler(maxId, s);
 
 export default function () {
   const res = getPost(zipfId(), __ITER);
