@@ -26,7 +26,7 @@ use std::{
 use fred::{clients::SubscriberClient, prelude::*};
 use futures::future::join_all;
 use postcache::{
-    flight::Hooks,
+    flight::{Hooks, WaitEnd},
     testkit::{fire, TableLock, TestApp, TestEnv, PATIENT},
 };
 
@@ -104,7 +104,7 @@ async fn main() {
         wait_ended: Some({
             let wakes = wakes.clone();
             Arc::new(move |ended_by| {
-                if ended_by == "message" {
+                if ended_by == WaitEnd::Message {
                     wakes.lock().unwrap().push(Instant::now());
                 }
             })

@@ -4,8 +4,11 @@
 //! other request, in any instance, is woken by Redis pub/sub when it lands.
 //!
 //! # Layout
-//! - [`config`] — settings, each a flag and an environment variable.
-//! - [`telemetry`] — logging (its format) and the metrics.
+//! A room per design part; each file's first comment names its room.
+//! - [`config`] — settings, each a flag and an environment variable
+//!   (`check.rs`: what clap cannot express, refused at start).
+//! - [`telemetry`] — logging (its format) and the metrics (`names.rs`:
+//!   every series and what it counts).
 //! - [`startup`] — builds the service, binds, runs until a shutdown future.
 //! - [`http`] — router, handlers, the one HTTP error type, the OpenAPI
 //!   document generated with the routes, and the server of connections
@@ -14,8 +17,15 @@
 //!   and its SQL; every `timestamptz` PostgreSQL holds (`infinity`, BC
 //!   years) as JSON.
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
-//! - [`flight`] — the read path: in-process flight, lock with token, shared
-//!   subscriber, per strategy. Generic over what it loads.
+//! - [`flight`] — the protocol, generic over what it loads:
+//!   look up → judge (`freshness.rs`) → in-process flight (`local.rs`) →
+//!   elect → lead (`leader.rs`) or listen → sleep → re-check, as one state
+//!   machine with pure transitions (`machine.rs`, driven by `waiter.rs`);
+//!   the memory tier, background refreshes, changes applied, the load lab's
+//!   strategies.
+//! - [`redis`] — the Redis side: commands bounded by REDIS_TIMEOUT, a
+//!   client and a circuit breaker per node, the Lua scripts each with a
+//!   typed call and reply (`scripts/`), the shared subscriber.
 //! - [`changes`] — the change feed: PostgreSQL's changes to `posts`, by any
 //!   writer, invalidate the cache fleet-wide: logical replication with one
 //!   decoder per fleet fanned out through a Redis Stream (`replication`,
@@ -25,11 +35,12 @@
 //! - [`cli`] — `seed` (streamed, with progress), `invalidate`, `inspect`.
 //! - `testkit` (feature `testkit`) — test support shared by tests and examples.
 //!
-//! The modules depend on each other without a cycle: `config` names the
-//! types it parses into from the modules that own them (the post id from
-//! `posts`, the strategy from `flight`, the log format from `telemetry`),
-//! and `startup` turns settings into the read path's; `flight`, `cache`,
-//! `telemetry` and `posts` never read `config`.
+//! The modules depend on each other without a cycle (`load/code-shape`
+//! checks, file by file): `config` names the types it parses into from the
+//! modules that own them (the post id from `posts`, the strategy from
+//! `flight`, the log format from `telemetry`), and `startup` turns settings
+//! into the read path's; `flight` uses `redis`, never the other way round;
+//! `flight`, `redis`, `cache`, `telemetry` and `posts` never read `config`.
 
 pub mod cache;
 pub mod changes;
@@ -39,6 +50,7 @@ pub mod db;
 pub mod flight;
 pub mod http;
 pub mod posts;
+pub mod redis;
 pub mod startup;
 pub mod telemetry;
 #[cfg(feature = "testkit")]

@@ -1,4 +1,5 @@
-//! Builds the service from its settings, binds, and runs until a shutdown future.
+//! Startup: builds the service from its settings, binds, and runs until a
+//! shutdown future.
 
 use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -16,9 +17,10 @@ use crate::{
     changes::Feed,
     config::{CacheSettings, ServeArgs},
     db,
-    flight::{self, Nodes, ReadPath, RedisCommands, Subscriber},
+    flight::{self, ReadPath},
     http::{self, AppState, ConnectionLimits, Limits},
     posts::PostStore,
+    redis::{Nodes, RedisCommands, Subscriber},
     telemetry,
 };
 

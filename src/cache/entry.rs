@@ -1,4 +1,4 @@
-//! The cache entry envelope, also used as the `ready` message.
+//! The cache: the cache entry envelope, also used as the `ready` message.
 //!
 //! A small binary header in front of the response body bytes, so that a hit
 //! is served by slicing the stored bytes (no JSON parsing, no re-serialising):
@@ -16,9 +16,9 @@
 //! 31      ..    body (found only)
 //! ```
 //!
-//! The finish script (`flight/redis.rs`) reads the version and status bytes
-//! and sets the flags byte of stored entries: it is given the constants below,
-//! so the layout is written down once.
+//! The finish script (`redis/scripts/finish.lua`) reads the version and
+//! status bytes and sets the flags byte of stored entries: it is given the
+//! constants below, so the layout is written down once.
 //!
 //! Anything that does not decode is treated by callers as absent (a miss),
 //! never as an error to the client.

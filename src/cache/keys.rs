@@ -1,4 +1,4 @@
-//! Redis key and channel names.
+//! The cache: redis key and channel names.
 //!
 //! The id sits inside a hash tag (`{42}`) so that one item's value, lock,
 //! fail-safe copy, fence and channel always land in the same Redis Cluster

@@ -1,4 +1,5 @@
-//! TTL jitter: scatter expiries so that keys written together do not expire together.
+//! The cache: TTL jitter: scatter expiries so that keys written together do
+//! not expire together.
 
 use std::time::Duration;
 

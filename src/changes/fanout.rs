@@ -1,6 +1,6 @@
-//! The fan-out of CHANGE_FEED=replication: the decoder appends each
-//! transaction it has applied to Redis to one Redis Stream, and every
-//! instance reads the stream from its last position to forget what its
+//! The change feed: the fan-out of CHANGE_FEED=replication: the decoder
+//! appends each transaction it has applied to Redis to one Redis Stream, and
+//! every instance reads the stream from its last position to forget what its
 //! memory tier holds of the posts changed.
 //!
 //! ```text
@@ -31,8 +31,9 @@ use std::{
 use fred::prelude::*;
 
 use crate::{
-    flight::{ReadPath, RedisCommands, RedisError},
+    flight::ReadPath,
     posts::PostStore,
+    redis::{RedisCommands, RedisError},
 };
 
 /// How often the decoder appends a beat while it keeps up.

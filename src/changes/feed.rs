@@ -1,5 +1,6 @@
-//! The feed's loop: one connection LISTENs, a catch-up reads the outbox on
-//! every notification, and every change read is applied to the cache.
+//! The change feed (trigger): the feed's loop: one connection LISTENs, a
+//! catch-up reads the outbox on every notification, and every change read is
+//! applied to the cache.
 //!
 //! ```text
 //!  ┌► starting point (first time: the fleet's position, else now)
@@ -36,8 +37,9 @@ use super::{
 use crate::{
     config::DatabaseSettings,
     db,
-    flight::{ChangeKind, ReadPath, RedisError},
+    flight::ReadPath,
     posts::PostStore,
+    redis::{ChangeKind, RedisError},
     telemetry::metrics,
 };
 

@@ -1,5 +1,6 @@
-//! The outbox `post_changes` (migration 0002): what the triggers write, read
-//! back by snapshot, pruned past CHANGE_RETENTION.
+//! The change feed (trigger): the outbox `post_changes` (migration 0002):
+//! what the triggers write, read back by snapshot, pruned past
+//! CHANGE_RETENTION.
 //!
 //! Why snapshots and not "every id above the last one seen": an id is handed
 //! out when the row is written, before its transaction commits, so a

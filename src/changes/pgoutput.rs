@@ -1,7 +1,7 @@
-//! The few `pgoutput` messages the decoder reads (protocol version 1):
-//! which relation a row change is of, and the `id` of each row changed.
-//! Begin, Commit and logical messages are read by the replication client;
-//! every other message (Type, Origin) is ignored.
+//! The change feed (replication): the few `pgoutput` messages the decoder
+//! reads (protocol version 1): which relation a row change is of, and the
+//! `id` of each row changed. Begin, Commit and logical messages are read by
+//! the replication client; every other message (Type, Origin) is ignored.
 //!
 //! Only the `id` column of a row is read; the rest of the row is skipped
 //! without being copied. Anything that cannot be read is an error, which the

@@ -1,6 +1,6 @@
-//! `postcache inspect <id> [--json]`: what Redis holds for one post, in
-//! words or as JSON, with the same settings (REDIS_URL, KEY_PREFIX) as
-//! `serve`.
+//! Subcommands: `postcache inspect <id> [--json]`: what Redis holds for one
+//! post, in words or as JSON, with the same settings (REDIS_URL, KEY_PREFIX)
+//! as `serve`.
 //!
 //! It reads and never writes: the value and its fail-safe copy (decoded:
 //! status, when stored, how long fresh, how long its load took), the TTLs
@@ -19,7 +19,7 @@ use time::{format_description::well_known::Rfc3339, OffsetDateTime};
 use crate::{
     cache::{now_millis, Entry, Keys, Status},
     config::InspectArgs,
-    flight::ItemSnapshot,
+    redis::{snapshot, ItemSnapshot},
     startup,
 };
 
@@ -131,8 +131,7 @@ pub async fn run(args: &InspectArgs) -> anyhow::Result<Inspection> {
     let redis = startup::redis_commands(&args.cache).await?;
     let keys = Keys::new(args.cache.key_prefix.clone(), "post");
     let item = keys.item(args.id);
-    let snapshot = redis
-        .snapshot(&item)
+    let snapshot = snapshot(&redis, &item)
         .await
         .context("failed to read the post's keys from Redis")?;
     let cutoff = redis

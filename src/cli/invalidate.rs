@@ -1,5 +1,5 @@
-//! `postcache invalidate <id>... | --all`: the same invalidation a change
-//! in PostgreSQL causes, by hand.
+//! Subcommands: `postcache invalidate <id>... | --all`: the same
+//! invalidation a change in PostgreSQL causes, by hand.
 //!
 //! Each id is recorded in the outbox (`post_changes`, op `invalidate`),
 //! which gives it a change id and tells every instance whose change feed is
@@ -23,7 +23,8 @@ use crate::{
     },
     config::InvalidateArgs,
     db,
-    flight::{apply, ChangeKind},
+    flight::apply,
+    redis::ChangeKind,
     startup,
 };
 
@@ -75,7 +76,7 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
 /// Appends what was invalidated to the fleet's change stream (see
 /// `changes/fanout.rs`), once Redis has it.
 async fn tell_the_stream(
-    redis: &crate::flight::RedisCommands,
+    redis: &crate::redis::RedisCommands,
     keys: &Keys,
     entry: Entry,
 ) -> anyhow::Result<()> {

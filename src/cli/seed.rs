@@ -1,5 +1,5 @@
-//! `postcache seed --posts N [--seed S]`: deterministic, bulk, streamed,
-//! safe to rerun.
+//! Subcommands: `postcache seed --posts N [--seed S]`: deterministic, bulk,
+//! streamed, safe to rerun.
 
 use std::{io::IsTerminal, time::Instant};
 

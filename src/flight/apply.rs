@@ -1,9 +1,9 @@
-//! Changes applied to the cache: an item changed or deleted in the source
+//! The protocol: changes applied to the cache: an item changed or deleted in the source
 //! (the change feed, `postcache invalidate`), or everything at once.
 //!
-//! One item: one script (`apply.lua`) sets the item's fence to the change,
-//! so that a leader that read the row before it stores nothing (see
-//! FINISH_LUA), and deletes the value, or marks it stale under
+//! One item: one script (`redis/scripts/apply.lua`) sets the item's fence
+//! to the change, so that a leader that read the row before it stores
+//! nothing (see `redis/scripts/finish.rs`), and deletes the value, or marks it stale under
 //! stale-while-revalidate, or for a delete leaves a tombstone in place of
 //! the value and the fail-safe copy. Idempotent: a change already applied
 //! (kept in a set beside the fence) is skipped, so every instance may apply
@@ -21,11 +21,11 @@
 
 use std::{fmt::Display, sync::atomic::Ordering, time::Duration};
 
-use super::{
-    redis::{ApplyFor, ChangeKind},
-    ReadPath, RedisCommands, RedisError, Settings, Source,
+use super::{ReadPath, Settings, Source};
+use crate::{
+    cache::{now_millis, Entry, Keys, Status},
+    redis::{ApplyFor, ApplyMany, ChangeKind, RaiseCutoff, RedisCommands, RedisError},
 };
-use crate::cache::{now_millis, Entry, Keys, Status};
 
 impl<S: Source> ReadPath<S> {
     /// Applies change `change` (an increasing id) to `key`; false when it
@@ -74,7 +74,12 @@ impl<S: Source> ReadPath<S> {
             .zip(changes)
             .map(|(keys, (_, change, kind))| (keys, *change, *kind))
             .collect();
-        self.redis.apply_many(&items, &tombstone, lifetimes).await
+        let apply = ApplyMany {
+            items: &items,
+            tombstone: &tombstone,
+            lifetimes,
+        };
+        self.redis.eval(&apply).await
     }
 
     /// This process's memory tier forgets `key` (Redis has its change).
@@ -124,9 +129,13 @@ pub async fn apply_change(
     kind: ChangeKind,
 ) -> Result<bool, RedisError> {
     let (tombstone, lifetimes) = apply_with(settings);
-    redis
-        .apply(&keys.item(id), change, kind, &tombstone, lifetimes)
-        .await
+    let keys = keys.item(id);
+    let apply = ApplyMany {
+        items: &[(&keys, change, kind)],
+        tombstone: &tombstone,
+        lifetimes,
+    };
+    Ok(redis.eval(&apply).await? == 1)
 }
 
 /// The tombstone a delete leaves, and the lifetimes a change writes with.
@@ -157,13 +166,13 @@ pub async fn raise_cutoff(
     keys: &Keys,
     change: i64,
 ) -> Result<u64, RedisError> {
-    redis
-        .raise_cutoff(
-            &keys.cutoff(),
-            &keys.cutoffs_applied(),
-            now_millis(),
-            Some(change),
-            CUTOFFS_REMEMBERED,
-        )
-        .await
+    let (cutoff, applied) = (keys.cutoff(), keys.cutoffs_applied());
+    let raise = RaiseCutoff {
+        cutoff: &cutoff,
+        applied: &applied,
+        to: now_millis(),
+        change: Some(change),
+        remember: CUTOFFS_REMEMBERED,
+    };
+    redis.eval(&raise).await
 }

@@ -1,7 +1,7 @@
-//! Freshness, as pure functions of an entry, the clock and the settings:
-//! what an entry read from Redis means for a read (the verdict, decided once,
-//! here), when a fresh hit refreshes early (XFetch), and how long the leader's
-//! finish keeps what it loaded (the store policy).
+//! The protocol: freshness, as pure functions of an entry, the clock and
+//! the settings: what an entry read from Redis means for a read (the
+//! verdict, decided once, here), when a fresh hit refreshes early (XFetch),
+//! and how long the leader's finish keeps what it loaded (the store policy).
 //!
 //! ```text
 //! stored_at        fresh_until     + STALE_WHILE_REVALIDATE     + MAX_STALE
@@ -12,7 +12,10 @@
 use std::time::Duration;
 
 use super::{Answer, ReadError, Served};
-use crate::cache::{Entry, Status};
+use crate::{
+    cache::{Entry, Status},
+    redis::StoreFor,
+};
 
 /// What an entry read from Redis means for a read at a given instant.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,18 +112,6 @@ pub fn xfetch_fires(
     }
     let gap_ms = -(load_time.as_secs_f64() * 1e3 * beta * u.ln());
     now_ms as f64 + gap_ms >= fresh_until_ms as f64
-}
-
-/// Lifetimes the leader's finish stores with (0: do not store that key).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StoreFor {
-    /// The value key.
-    pub value: Duration,
-    /// The fail-safe copy.
-    pub fail_safe: Duration,
-    /// The backoff after a failure: the failure marker, or the last good copy
-    /// flagged BACKOFF.
-    pub failure: Duration,
 }
 
 /// The settings the store policy reads.

@@ -1,7 +1,9 @@
-//! The leader's part: the one request in the fleet that holds the lock for a
-//! key loads it, keeps the lock alive while it loads, and finishes in one
-//! round trip (store, publish, release). Its hold on the lock is a guard
-//! ([`Held`]): a leader that vanishes without finishing lets go at once.
+//! The protocol: the leader's part. The one request in the fleet that
+//! holds the lock for a key loads it, keeps the lock alive while it loads,
+//! and finishes in one round trip (store, publish, release: the finish
+//! script). A [`Leader`] is that work: double-check, load under a watchdog,
+//! finish; its hold on the lock is a guard ([`Held`]), so a leader that
+//! vanishes without finishing lets go at once.
 
 use std::time::{Duration, Instant};
 
@@ -9,21 +11,34 @@ use rand::Rng;
 use tokio_util::task::TaskTracker;
 
 use super::{
-    freshness::{judge, store_for, Lifetimes, StoreFor, Verdict},
-    redis::{with_backoff, RETRY_FIRST},
-    Answer, Outcome, ReadPath, RedisCommands, RedisError, Served, Source,
+    answer::Outcome,
+    freshness::{judge, store_for, Lifetimes, Verdict},
+    Answer, ReadPath, Served, Source,
 };
-use crate::cache::{now_millis, Entry, ItemKeys, Status};
-use crate::telemetry::metrics;
+use crate::{
+    cache::{now_millis, Entry, ItemKeys, Status},
+    redis::{
+        with_backoff, Finish, Finished, LockOp, OnLock, RedisCommands, RedisError, StoreFor,
+        RETRY_FIRST,
+    },
+    telemetry::metrics,
+};
 
-/// A finish to retry in the background, with what it was first sent with.
-struct Finish {
-    keys: ItemKeys,
-    held: Held,
-    entry: Entry,
-    store: StoreFor,
-    fence: String,
-    cutoff: u64,
+/// How a leader's turn ended.
+#[derive(Debug, PartialEq)]
+pub(super) enum Led {
+    /// With an outcome for its flight.
+    Done(Outcome),
+    /// Fenced: a change to the item was applied while it loaded, so what it
+    /// read (given here) may predate the change. Nothing was stored, and its
+    /// waiters were told to elect a leader again; so should its own flight.
+    Fenced(Entry),
+}
+
+/// A random token naming one leader's hold on a lock: only its holder may
+/// extend or release it.
+pub(super) fn lock_token() -> String {
+    format!("{:032x}", rand::rng().random::<u128>())
 }
 
 /// A leader's hold on a key's lock, from its election to its finish.
@@ -59,10 +74,6 @@ impl Held {
         }
     }
 
-    fn token(&self) -> &str {
-        &self.token
-    }
-
     /// A finish or a release has dealt with the lock (or given up on it,
     /// leaving it to expire): nothing left to do on drop.
     fn handed_over(mut self) {
@@ -93,8 +104,15 @@ impl Drop for Held {
         let give_up = Instant::now() + self.lock_ttl;
         self.tasks.spawn_on(
             async move {
-                let abandon = || redis.abandon(&lock, &channel, &token);
-                match with_backoff(give_up, abandon).await {
+                let abandon = OnLock {
+                    lock: &lock,
+                    token: &token,
+                    op: LockOp::Abandon {
+                        channel: &channel,
+                        sharded: redis.sharded(),
+                    },
+                };
+                match with_backoff(give_up, || redis.eval(&abandon)).await {
                     Ok(true) => tracing::info!(lock, "lock let go; its waiters elect again"),
                     Ok(false) => {}
                     Err(error) => {
@@ -107,105 +125,136 @@ impl Drop for Held {
     }
 }
 
-/// A lock attempt until Redis answers it (see [`ReadPath::try_lock`]).
-struct Attempt<'a, S: Source> {
+/// The leader of one key's load in the fleet, holding its lock.
+pub(super) struct Leader<'a, S: Source> {
     path: &'a ReadPath<S>,
-    lock: &'a str,
+    key: &'a S::Key,
+    keys: &'a ItemKeys,
     token: &'a str,
-    answered: bool,
+    held: Held,
 }
 
-impl<S: Source> Drop for Attempt<'_, S> {
-    fn drop(&mut self) {
-        if !self.answered {
-            self.path
-                .release_in_background(self.lock.to_owned(), self.token.to_owned());
+impl<'a, S: Source> Leader<'a, S> {
+    /// Just elected: holds `keys.lock` with `token`.
+    pub fn elected(
+        path: &'a ReadPath<S>,
+        key: &'a S::Key,
+        keys: &'a ItemKeys,
+        token: &'a str,
+    ) -> Self {
+        Self {
+            held: Held::new(path, keys, token),
+            path,
+            key,
+            keys,
+            token,
         }
     }
-}
 
-/// How a leader's turn ended.
-pub(super) enum Led {
-    /// With an outcome for its flight.
-    Done(Outcome),
-    /// Fenced: a change to the item was applied while it loaded, so what it
-    /// read (given here) may predate the change. Nothing was stored, and its
-    /// waiters were told to elect a leader again; so should its own flight.
-    Fenced(Entry),
-}
-
-/// A random token naming one leader's hold on a lock: only its holder may
-/// extend or release it.
-pub(super) fn lock_token() -> String {
-    format!("{:032x}", rand::rng().random::<u128>())
-}
-
-impl<S: Source> ReadPath<S> {
-    /// Leads the load of `key`, holding `keys.lock` with `token`.
+    /// Leads the load: double-check, load, finish.
     ///
     /// `seen` (a background refresh): the stored_at of the entry being
     /// replaced, which the double-check must not take for a newer one.
-    pub(super) async fn lead(
-        &self,
-        key: &S::Key,
-        keys: &ItemKeys,
-        token: &str,
-        seen: Option<u64>,
-    ) -> Led {
-        let held = Held::new(self, keys, token);
-        // Double-check, and the change fence. The previous leader may have
-        // finished between our first GET and our SET NX (its lock gone, its
-        // value in place): do not load twice. The fence is read before the
-        // row: a change applied after this point makes our finish store
-        // nothing (see FINISH_LUA).
-        let mut fence = String::new();
-        match self.redis.before_load(keys).await {
-            Ok(before) => {
-                fence = before.fence;
-                let verdict = judge(before.entry, now_millis(), Duration::ZERO, self.cutoff());
-                // A refresh must not settle for the very entry it replaces.
-                let replaced = matches!(&verdict,
-                    Verdict::Fresh(e) | Verdict::Backoff(e)
-                        if seen.is_some_and(|seen| e.stored_at() <= seen));
-                let done = if replaced {
-                    None
-                } else {
-                    verdict.settle(Served::CoalescedRemote)
-                };
-                if let Some(done) = done {
-                    match self.redis.release(&keys.lock, token).await {
-                        Ok(_) => held.handed_over(),
-                        // Dropped while held: let go in the background.
-                        Err(error) => {
-                            tracing::warn!(%error, "failed to release an unused lock; retrying")
+    pub async fn lead(self, seen: Option<u64>) -> Led {
+        let fence = match self.double_check(seen).await {
+            Ok(fence) => fence,
+            Err(done) => return self.release(done).await,
+        };
+        let loaded = self.load().await;
+        self.finish(loaded, fence).await
+    }
+
+    /// The previous leader may have finished between our first GET and our
+    /// SET NX (its lock gone, its value in place): do not load twice. Reads
+    /// the change fence too, before the row: a change applied after this
+    /// point makes our finish store nothing (see the finish script).
+    /// `Ok(fence)` to load; `Err(outcome)` when someone finished already.
+    async fn double_check(&self, seen: Option<u64>) -> Result<String, Outcome> {
+        let before = match self.path.redis.before_load(self.keys).await {
+            Ok(before) => before,
+            Err(error) => {
+                tracing::warn!(%error, "redis failed after taking the lock; loading anyway");
+                return Ok(String::new());
+            }
+        };
+        let verdict = judge(
+            before.entry,
+            now_millis(),
+            Duration::ZERO,
+            self.path.cutoff(),
+        );
+        // A refresh must not settle for the very entry it replaces.
+        let replaced = matches!(&verdict,
+            Verdict::Fresh(e) | Verdict::Backoff(e)
+                if seen.is_some_and(|seen| e.stored_at() <= seen));
+        match verdict.settle(Served::CoalescedRemote) {
+            Some(done) if !replaced => Err(done),
+            _ => Ok(before.fence),
+        }
+    }
+
+    /// Lets go of a lock not used, and answers with `done`.
+    async fn release(self, done: Outcome) -> Led {
+        let release = OnLock {
+            lock: &self.keys.lock,
+            token: self.token,
+            op: LockOp::Release,
+        };
+        match self.path.redis.eval(&release).await {
+            Ok(_) => self.held.handed_over(),
+            // Dropped while held: let go in the background.
+            Err(error) => tracing::warn!(%error, "failed to release an unused lock; retrying"),
+        }
+        Led::Done(done)
+    }
+
+    /// Loads while a watchdog extends the lock every third of LOCK_TTL, so a
+    /// slow but live leader is not taken over; a dead one stops extending and
+    /// its lock expires after LOCK_TTL.
+    async fn load(&self) -> Entry {
+        let path = self.path;
+        let load = path.loader.entry(self.key);
+        tokio::pin!(load);
+        let lock_ttl = path.settings.lock_ttl;
+        let period = (lock_ttl / 3).max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval_at((Instant::now() + period).into(), period);
+        let mut extending = true;
+        let extend = OnLock {
+            lock: &self.keys.lock,
+            token: self.token,
+            op: LockOp::Extend(lock_ttl),
+        };
+        let loaded = loop {
+            tokio::select! {
+                done = &mut load => break done,
+                _ = tick.tick(), if extending => {
+                    match path.redis.eval(&extend).await {
+                        Ok(true) => tracing::debug!(lock = extend.lock, "lock extended"),
+                        Ok(false) => {
+                            tracing::warn!(lock = extend.lock, "lock lost during the load; no longer extending");
+                            extending = false;
                         }
+                        Err(error) => tracing::debug!(%error, "lock extension failed"),
                     }
-                    return Led::Done(done);
                 }
             }
-            Err(error) => {
-                tracing::warn!(%error, "redis failed after taking the lock; loading anyway")
-            }
-        }
-        let loaded = self.load_under_watchdog(key, &keys.lock, token).await;
+        };
         #[cfg(feature = "testkit")]
-        if let Some(hook) = &self.settings.hooks.after_load {
-            hook(keys.value.clone()).await;
+        if let Some(hook) = &path.settings.hooks.after_load {
+            hook(self.keys.value.clone()).await;
         }
+        loaded
+    }
+
+    /// Stores and publishes what was loaded, fenced by the lock and the
+    /// change fence seen before the read, and releases the lock.
+    async fn finish(self, loaded: Entry, fence: String) -> Led {
+        let path = self.path;
         // Over MAX_ENTRY_BYTES: a marker is stored and published in its
         // place (waiters elsewhere load it themselves), and this flight,
         // with the requests that joined it here, is answered with the body.
-        let (entry, too_large) = self.to_store(loaded);
-        let answer = |published: Entry, ours: &Entry, too_large: Option<Entry>| match too_large {
-            Some(body) => Answer::new(body, Served::TooLarge),
-            // A marker another leader stored (our lock had expired): we
-            // hold the row, serve it.
-            None if published.status() == Status::TooLarge => {
-                Answer::new(ours.clone(), self.served_uncached(ours))
-            }
-            None => Answer::new(published, Served::Miss),
-        };
-        let s = &self.settings;
+        let (entry, too_large) = path.loader.to_store(loaded);
+        let s = &path.settings;
         let store = store_for(
             &entry,
             Lifetimes {
@@ -218,139 +267,167 @@ impl<S: Source> ReadPath<S> {
                 },
             },
         );
-        let cutoff = self.cutoff();
-        match self
-            .redis
-            .finish(keys, token, &entry, store, &fence, cutoff)
-            .await
-        {
+        let finish = Finish {
+            keys: self.keys,
+            token: self.token,
+            entry: &entry,
+            store,
+            fence: &fence,
+            cutoff: path.cutoff(),
+            sharded: path.redis.sharded(),
+        };
+        match path.redis.eval(&finish).await {
             Ok(finished) => {
-                held.handed_over();
-                if !finished.released {
-                    // Our lock expired during the load and someone else took
-                    // it: the finish left their lock alone (token check).
-                    tracing::warn!(
-                        lock = keys.lock,
-                        "lock expired during the load and was not ours to release"
-                    );
-                }
-                let Some(published) = finished.published else {
-                    metrics::fenced();
-                    tracing::debug!(%key, "a change was applied during the load: fenced");
-                    return Led::Fenced(too_large.unwrap_or(entry));
-                };
-                // Read before a cutoff raised meanwhile (`invalidate --all`,
-                // a truncate): stale already, as a change would have made it.
-                if published.read_at() < self.cutoff() {
-                    metrics::fenced();
-                    tracing::debug!(%key, "the cutoff was raised during the load: fenced");
-                    return Led::Fenced(too_large.unwrap_or(entry));
-                }
-                if entry.status() == Status::Failed && published.status() == Status::Found {
-                    tracing::warn!(%key, "load failed; serving the stored copy");
-                }
-                Led::Done(answer(published, &entry, too_large))
+                let led = self.finished(finished, entry, too_large);
+                self.held.handed_over();
+                led
             }
             Err(error) => {
                 // This flight is answered at once; the waiters elsewhere are
                 // answered when a retry gets through.
                 tracing::warn!(%error, "finish failed; retrying in the background");
-                let retry = Finish {
-                    keys: keys.clone(),
-                    held,
-                    entry: entry.clone(),
-                    store,
-                    fence,
-                    cutoff,
-                };
-                self.finish_in_background(retry);
-                Led::Done(answer(entry.clone(), &entry, too_large))
+                let cutoff = finish.cutoff;
+                let answer = self.answer(entry.clone(), &entry, too_large);
+                let retry = (self.keys.clone(), entry, store, fence, cutoff);
+                finish_in_background(path, self.held, retry);
+                Led::Done(answer)
             }
         }
     }
 
-    /// Tries to take `keys.lock` with `token` (SET NX PX LOCK_TTL).
-    ///
-    /// An attempt that ends without an answer (a timeout, a dropped
-    /// connection, or its future dropped) may still run later, when Redis
-    /// catches up or the client replays it after a reconnect, leaving a lock
-    /// nobody holds until LOCK_TTL and its waiters to WAIT_TIMEOUT: the
-    /// [`Attempt`] guard then queues a token-checked release behind it.
-    pub(super) async fn try_lock(&self, keys: &ItemKeys, token: &str) -> Result<bool, RedisError> {
-        let mut attempt = Attempt {
-            path: self,
-            lock: &keys.lock,
-            token,
-            answered: false,
+    /// What a finish that went through means for this flight.
+    fn finished(&self, finished: Finished, entry: Entry, too_large: Option<Entry>) -> Led {
+        let key = self.key;
+        if !finished.released {
+            // Our lock expired during the load and someone else took it:
+            // the finish left their lock alone (token check).
+            tracing::warn!(
+                lock = self.keys.lock,
+                "lock expired during the load and was not ours to release"
+            );
+        }
+        let Some(published) = finished.published else {
+            metrics::fenced();
+            tracing::debug!(%key, "a change was applied during the load: fenced");
+            return Led::Fenced(too_large.unwrap_or(entry));
         };
-        let result = self
-            .redis
-            .try_lock(&keys.lock, token, self.settings.lock_ttl)
-            .await;
-        // An answer, or a refusal by the breaker: nothing went out.
-        attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
-        result
+        // Read before a cutoff raised meanwhile (`invalidate --all`, a
+        // truncate): stale already, as a change would have made it.
+        if published.read_at() < self.path.cutoff() {
+            metrics::fenced();
+            tracing::debug!(%key, "the cutoff was raised during the load: fenced");
+            return Led::Fenced(too_large.unwrap_or(entry));
+        }
+        if entry.status() == Status::Failed && published.status() == Status::Found {
+            tracing::warn!(%key, "load failed; serving the stored copy");
+        }
+        Led::Done(self.answer(published, &entry, too_large))
     }
 
-    /// Retries a failed finish (store, publish, release) with backoff until
-    /// it gets through, or until LOCK_TTL has passed: by then the lock has
-    /// expired and the waiters have woken to look for themselves. A finish
-    /// that timed out may still have run: running it again is harmless (the
-    /// fencing lets the same entry be stored and published twice).
-    fn finish_in_background(&self, f: Finish) {
-        let redis = self.redis.clone();
-        let give_up = Instant::now() + self.settings.lock_ttl;
-        self.tasks.spawn(async move {
-            // The first attempt has just failed.
-            tokio::time::sleep(RETRY_FIRST).await;
-            let token = f.held.token();
-            let finish = || redis.finish(&f.keys, token, &f.entry, f.store, &f.fence, f.cutoff);
-            match with_backoff(give_up, finish).await {
-                Ok(_) => tracing::info!(lock = f.keys.lock, "finished on a retry"),
-                Err(error) => {
-                    tracing::warn!(%error, lock = f.keys.lock, "gave up finishing; the lock expires by itself")
-                }
+    /// This flight's answer, given what was published and what it loaded.
+    fn answer(&self, published: Entry, ours: &Entry, too_large: Option<Entry>) -> Outcome {
+        match too_large {
+            Some(body) => Answer::new(body, Served::TooLarge),
+            // A marker another leader stored (our lock had expired): we
+            // hold the row, serve it.
+            None if published.status() == Status::TooLarge => {
+                Answer::new(ours.clone(), self.path.loader.served_uncached(ours))
             }
-            f.held.handed_over();
-        });
-    }
-
-    /// Releases `lock` if it holds `token`, in the background, retried with
-    /// backoff for up to LOCK_TTL; never refused by the breaker.
-    fn release_in_background(&self, lock: String, token: String) {
-        let redis = self.redis.clone();
-        let give_up = Instant::now() + self.settings.lock_ttl;
-        self.tasks.spawn(async move {
-            let release = || redis.release(&lock, &token);
-            if let Ok(true) = with_backoff(give_up, release).await {
-                tracing::info!(lock, "released a lock taken after its attempt gave up");
-            }
-        });
-    }
-
-    /// Loads while a watchdog extends the lock every third of LOCK_TTL, so a
-    /// slow but live leader is not taken over; a dead one stops extending and
-    /// its lock expires after LOCK_TTL.
-    async fn load_under_watchdog(&self, key: &S::Key, lock: &str, token: &str) -> Entry {
-        let load = self.load_entry(key);
-        tokio::pin!(load);
-        let period = (self.settings.lock_ttl / 3).max(Duration::from_millis(10));
-        let mut tick = tokio::time::interval_at((Instant::now() + period).into(), period);
-        let mut extending = true;
-        loop {
-            tokio::select! {
-                done = &mut load => return done,
-                _ = tick.tick(), if extending => {
-                    match self.redis.extend(lock, token, self.settings.lock_ttl).await {
-                        Ok(true) => tracing::debug!(lock, "lock extended"),
-                        Ok(false) => {
-                            tracing::warn!(lock, "lock lost during the load; no longer extending");
-                            extending = false;
-                        }
-                        Err(error) => tracing::debug!(%error, "lock extension failed"),
-                    }
-                }
-            }
+            None => Answer::new(published, Served::Miss),
         }
     }
+}
+
+/// A lock attempt until Redis answers it (see [`try_lock`]).
+struct Attempt<'a, S: Source> {
+    path: &'a ReadPath<S>,
+    lock: &'a str,
+    token: &'a str,
+    answered: bool,
+}
+
+impl<S: Source> Drop for Attempt<'_, S> {
+    fn drop(&mut self) {
+        if !self.answered {
+            release_in_background(self.path, self.lock.to_owned(), self.token.to_owned());
+        }
+    }
+}
+
+/// Tries to take `keys.lock` with `token` (SET NX PX LOCK_TTL).
+///
+/// An attempt that ends without an answer (a timeout, a dropped
+/// connection, or its future dropped) may still run later, when Redis
+/// catches up or the client replays it after a reconnect, leaving a lock
+/// nobody holds until LOCK_TTL and its waiters to WAIT_TIMEOUT: the
+/// [`Attempt`] guard then queues a token-checked release behind it.
+pub(super) async fn try_lock<S: Source>(
+    path: &ReadPath<S>,
+    keys: &ItemKeys,
+    token: &str,
+) -> Result<bool, RedisError> {
+    let mut attempt = Attempt {
+        path,
+        lock: &keys.lock,
+        token,
+        answered: false,
+    };
+    let result = path
+        .redis
+        .try_lock(&keys.lock, token, path.settings.lock_ttl)
+        .await;
+    // An answer, or a refusal by the breaker: nothing went out.
+    attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
+    result
+}
+
+/// Retries a failed finish (store, publish, release) with backoff until it
+/// gets through, or until LOCK_TTL has passed: by then the lock has expired
+/// and the waiters have woken to look for themselves. A finish that timed
+/// out may still have run: running it again is harmless (the fencing lets
+/// the same entry be stored and published twice).
+fn finish_in_background<S: Source>(
+    path: &ReadPath<S>,
+    held: Held,
+    (keys, entry, store, fence, cutoff): (ItemKeys, Entry, StoreFor, String, u64),
+) {
+    let redis = path.redis.clone();
+    let give_up = Instant::now() + path.settings.lock_ttl;
+    path.tasks.spawn(async move {
+        // The first attempt has just failed.
+        tokio::time::sleep(RETRY_FIRST).await;
+        let finish = Finish {
+            keys: &keys,
+            token: &held.token,
+            entry: &entry,
+            store,
+            fence: &fence,
+            cutoff,
+            sharded: redis.sharded(),
+        };
+        match with_backoff(give_up, || redis.eval(&finish)).await {
+            Ok(_) => tracing::info!(lock = keys.lock, "finished on a retry"),
+            Err(error) => {
+                tracing::warn!(%error, lock = keys.lock, "gave up finishing; the lock expires by itself")
+            }
+        }
+        held.handed_over();
+    });
+}
+
+/// Releases `lock` if it holds `token`, in the background, retried with
+/// backoff for up to LOCK_TTL; never refused by the breaker.
+fn release_in_background<S: Source>(path: &ReadPath<S>, lock: String, token: String) {
+    let redis = path.redis.clone();
+    let give_up = Instant::now() + path.settings.lock_ttl;
+    path.tasks.spawn(async move {
+        let release = OnLock {
+            lock: &lock,
+            token: &token,
+            op: LockOp::Release,
+        };
+        if let Ok(true) = with_backoff(give_up, || redis.eval(&release)).await {
+            tracing::info!(lock, "released a lock taken after its attempt gave up");
+        }
+    });
 }

@@ -1,4 +1,5 @@
-//! In-process flights: concurrent misses for one key in one process share one run.
+//! The protocol: in-process flights. Concurrent misses for one key in one
+//! process share one run.
 //!
 //! The run is a spawned task, so a request whose client goes away (its future
 //! dropped) never cancels the work the other requests of the flight wait for.

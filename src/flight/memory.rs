@@ -1,5 +1,5 @@
-//! The memory tier: fresh entries kept in this process, in front of Redis,
-//! so that a hit costs no round trip.
+//! The protocol: the memory tier, fresh entries kept in this process in
+//! front of Redis, so that a hit costs no round trip.
 //!
 //! Coherence rests on three rules:
 //! - An entry is served only while fresh (its freshness, and the cutoff, as

@@ -1,5 +1,5 @@
-//! The read path: cache lookup, in-process flight, fleet-wide leader election,
-//! pub/sub wake-up, and freshness (stale-while-revalidate, early refresh,
+//! The protocol (the read path): cache lookup, in-process flight, fleet-wide
+//! leader election, pub/sub wake-up, and freshness (stale-while-revalidate, early refresh,
 //! fail-safe). Generic over what it loads: it knows nothing of posts.
 //!
 //! ```text
@@ -13,7 +13,7 @@
 //!                            ▼                    ▼
 //!        in-process flight (local.rs: one per key; joiners never touch Redis)
 //!                            │
-//!   waiter.rs, until WAIT_TIMEOUT:
+//!   waiter.rs (machine.rs's transitions), until WAIT_TIMEOUT:
 //!     SET lock token NX PX LOCK_TTL ──won──► leader.rs: GET again (someone may
 //!        │lost                               have just finished), load (the
 //!        ▼                                   watchdog extends the lock), finish
@@ -24,32 +24,32 @@
 //! Every Redis failure fails open: the flight loads straight from the source
 //! (`Bypass`), still one load per key per process at a time.
 //!
-//! Files by role: `memory.rs` (the in-process memory tier and its fencing
-//! against evictions), `freshness.rs` (pure verdicts and the store policy),
-//! `leader.rs` (with the guard that lets go of a leader's lock when it
-//! vanishes), `waiter.rs`, `refresh.rs`, `local.rs` (in-process flights),
-//! `panics.rs` (a flight that panics answers 503, logged once with its key),
-//! `subscriber/` (the shared subscriber), `redis.rs` (the commands),
-//! `scripts.rs` (the Lua scripts, loaded on every connection), `apply.rs`
-//! (changes applied to the cache: fences, tombstones, the cutoff), `nodes.rs`
-//! (which client and breaker serve a key: one of each per node on a cluster),
-//! `breaker.rs`, and `strategy.rs`: the load lab's strategies, the one place
-//! that reads CACHE_STRATEGY.
+//! The protocol's files: `answer.rs` (what a read answers), `freshness.rs`
+//! (pure verdicts and the store policy), `machine.rs` (one flight's
+//! coordination as a state machine with pure transitions, and [`WaitEnd`],
+//! how a wait ends), `waiter.rs` (the flight that drives it against
+//! Redis), `leader.rs` (the leader's work, with the guard that lets
+//! go of its lock when it vanishes), `load.rs` (loads from the source),
+//! `local.rs` (in-process flights), `memory.rs` (the memory tier and its
+//! fencing against evictions), `refresh.rs`, `apply.rs` (changes applied to
+//! the cache: fences, tombstones, the cutoff), `panics.rs` (a flight that
+//! panics answers 503, logged once with its key), `settings.rs`, and
+//! `strategy.rs`: the load lab's strategies, the one place that reads
+//! CACHE_STRATEGY. The Redis side (commands, nodes, breakers, scripts,
+//! subscriber) is the `redis` module.
 
+mod answer;
 pub mod apply;
-mod breaker;
 mod freshness;
 mod leader;
+mod load;
 mod local;
+mod machine;
 mod memory;
-mod nodes;
 mod panics;
-mod redis;
 mod refresh;
-mod scripts;
 mod settings;
 mod strategy;
-mod subscriber;
 mod waiter;
 
 use std::{
@@ -61,30 +61,31 @@ use std::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc, Mutex,
     },
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use bytes::Bytes;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-pub use freshness::StoreFor;
-pub use nodes::Nodes;
-pub use redis::{ChangeKind, ItemSnapshot, RedisCommands, RedisError};
+pub use answer::{Answer, ReadError, Served};
+pub use machine::WaitEnd;
 pub use settings::Settings;
 pub use strategy::Strategy;
-pub use subscriber::Subscriber;
 pub use waiter::Wake;
 #[cfg(feature = "testkit")]
 pub use waiter::{Hook, Hooks};
 
+use answer::Outcome;
 use freshness::{judge, Verdict};
+use load::Loader;
 use local::{Flights, Role, Unshared};
 use memory::MemoryTier;
+use waiter::Flight;
 
 use crate::{
-    cache::{now_millis, Entry, Keys, Status},
-    telemetry::metrics,
+    cache::{now_millis, Keys},
+    redis::{RedisCommands, RedisError, Subscriber},
 };
 
 /// Why a load failed; logged by the read path, never shown to clients.
@@ -102,84 +103,9 @@ pub trait Source: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<Bytes>, LoadError>> + Send;
 }
 
-/// How an answer was produced.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Served {
-    /// A fresh entry found in this process's memory tier.
-    Memory,
-    /// A fresh entry found by the first GET.
-    Hit,
-    /// A stale entry: inside the grace window (refreshing in the background)
-    /// or a fail-safe copy after a failed load.
-    Stale,
-    /// Loaded by this request's own flight, as leader.
-    Miss,
-    /// Served by the load of another request of this process.
-    CoalescedLocal,
-    /// Served by the load of another instance (message or re-check).
-    CoalescedRemote,
-    /// Redis was skipped (failed, breaker open, or strategy `none`).
-    Bypass,
-    /// Loaded from the source and not cached: the item is larger than
-    /// MAX_ENTRY_BYTES (a too-large marker is cached in its place).
-    TooLarge,
-}
-
-/// A found or not-found entry and how it was served. Never a failure: a
-/// failed entry becomes [`ReadError::Unavailable`] in [`Answer::new`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Answer {
-    entry: Entry,
-    pub served: Served,
-}
-
-impl Answer {
-    /// The answer for `entry`, served as `served` — or as `Stale` when it is
-    /// a fail-safe copy re-served after a failed load, whoever loaded it.
-    pub fn new(entry: Entry, served: Served) -> Result<Self, ReadError> {
-        let served = match entry.status() {
-            // A marker is never an answer: its readers load the item (a
-            // bug that let one through would answer 503, not a wrong 404).
-            Status::Failed | Status::TooLarge => return Err(ReadError::Unavailable),
-            _ if entry.is_backoff() => Served::Stale,
-            _ => served,
-        };
-        Ok(Self { entry, served })
-    }
-
-    /// The entry: found or not found.
-    pub fn entry(&self) -> &Entry {
-        &self.entry
-    }
-
-    /// As seen by a request that joined another request's flight.
-    fn joined(self) -> Self {
-        let served = match self.served {
-            Served::Miss | Served::CoalescedRemote => Served::CoalescedLocal,
-            other => other,
-        };
-        Self { served, ..self }
-    }
-}
-
-/// Why a read produced no entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum ReadError {
-    /// The load failed (here, at the remote leader, or within FAILURE_TTL of
-    /// a failure) and no stale copy was at hand.
-    #[error("the backend failed")]
-    Unavailable,
-    /// WAIT_TIMEOUT passed while waiting for another's load.
-    #[error("timed out waiting for the load")]
-    Timeout,
-}
-
-/// What one flight ended with, as its owner sees it; shared by its joiners.
-type Outcome = Result<Answer, ReadError>;
-
 /// The read path of one process.
 pub struct ReadPath<S: Source> {
-    source: S,
+    loader: Loader<S>,
     keys: Keys,
     redis: RedisCommands,
     subscriber: Arc<Subscriber>,
@@ -217,7 +143,7 @@ impl<S: Source> ReadPath<S> {
         };
         Arc::new(Self {
             memory: MemoryTier::new(memory_bytes, settings.memory_ttl),
-            source,
+            loader: Loader::new(source, &settings),
             keys,
             redis,
             subscriber,
@@ -316,7 +242,7 @@ impl<S: Source> ReadPath<S> {
             Verdict::TooLarge => {
                 // Hit-for-pass: one load per key in this process, no lock.
                 return Box::pin(
-                    self.in_flight(key, |this, key| async move { this.pass(&key).await }),
+                    self.in_flight(key, |this, key| async move { this.loader.pass(&key).await }),
                 )
                 .await;
             }
@@ -325,11 +251,11 @@ impl<S: Source> ReadPath<S> {
         // Boxed: a hit in Redis never makes it.
         Box::pin(self.in_flight(key, move |this, key| async move {
             if !redis_up {
-                return this.bypass(&key).await;
+                return this.loader.bypass(&key).await;
             }
             // Taken before anything of the flight is read (see memory.rs).
             let ticket = this.memory.ticket(&key);
-            let outcome = this.coordinate(&key).await;
+            let outcome = Flight::new(&this, &key).run().await;
             if let Ok(answer) = &outcome {
                 this.keep_in_memory(&key, answer, &ticket);
             }
@@ -371,7 +297,7 @@ impl<S: Source> ReadPath<S> {
             answer.served,
             Served::Miss | Served::CoalescedRemote | Served::Hit
         ) {
-            self.memory.fill(key, &answer.entry, ticket, now_millis());
+            self.memory.fill(key, answer.entry(), ticket, now_millis());
         }
     }
 
@@ -437,97 +363,6 @@ impl<S: Source> ReadPath<S> {
             Role::Joiner => {
                 span.record("role", "flight_joiner");
                 outcome.map(Answer::joined)
-            }
-        }
-    }
-
-    /// Loads with Redis skipped (it failed, or its breaker is open).
-    async fn bypass(&self, key: &S::Key) -> Outcome {
-        tracing::Span::current().record("role", "bypass");
-        Answer::new(self.load_entry(key).await, Served::Bypass)
-    }
-
-    /// Loads an item a too-large marker names, straight from the source:
-    /// nothing is stored (the marker stays until a change or its expiry).
-    async fn pass(&self, key: &S::Key) -> Outcome {
-        tracing::Span::current().record("role", "pass");
-        let entry = self.load_entry(key).await;
-        let served = self.served_uncached(&entry);
-        Answer::new(entry, served)
-    }
-
-    /// How a loaded entry that is not stored is served: too large, or (it
-    /// shrank, or is gone) a plain bypass.
-    fn served_uncached(&self, entry: &Entry) -> Served {
-        if self.too_large(entry) {
-            Served::TooLarge
-        } else {
-            Served::Bypass
-        }
-    }
-
-    /// Whether `entry`'s body is over MAX_ENTRY_BYTES.
-    fn too_large(&self, entry: &Entry) -> bool {
-        entry.status() == Status::Found && entry.body().len() > self.settings.max_entry_bytes
-    }
-
-    /// What a leader stores and publishes for what it loaded: the entry
-    /// itself, or, for a body over MAX_ENTRY_BYTES, a too-large marker
-    /// (fresh as long as the entry) with the entry kept aside to answer
-    /// this flight.
-    fn to_store(&self, loaded: Entry) -> (Entry, Option<Entry>) {
-        if !self.too_large(&loaded) {
-            return (loaded, None);
-        }
-        metrics::too_large();
-        let marker = Entry::stamped(
-            Status::TooLarge,
-            &[],
-            loaded.stored_at(),
-            loaded.fresh_until(),
-            loaded.load_time(),
-        );
-        (marker, Some(loaded))
-    }
-
-    async fn fail_open(&self, key: &S::Key, error: RedisError) -> Outcome {
-        tracing::warn!(%error, "redis failed; failing open to the source");
-        self.bypass(key).await
-    }
-
-    /// Loads and builds the entry, fresh for the (jittered) CACHE_TTL or
-    /// NEGATIVE_TTL; a failed load gives a `Failed` entry.
-    async fn load_entry(&self, key: &S::Key) -> Entry {
-        let started = Instant::now();
-        let loaded = tokio::time::timeout(self.settings.load_timeout, self.source.load(key))
-            .await
-            .unwrap_or_else(|_| {
-                Err(anyhow::anyhow!(
-                    "no answer within LOAD_TIMEOUT ({:?})",
-                    self.settings.load_timeout
-                ))
-            });
-        let took = started.elapsed();
-        let took_ms = took.as_secs_f64() * 1e3;
-        tracing::Span::current().record("load_ms", took_ms);
-        let jitter = self.settings.jitter;
-        match loaded {
-            Ok(Some(body)) => {
-                metrics::db_load("found", took);
-                tracing::debug!(%key, took_ms, "loaded");
-                let ttl = jitter.apply(self.settings.cache_ttl);
-                Entry::new(Status::Found, &body, ttl, took)
-            }
-            Ok(None) => {
-                metrics::db_load("not_found", took);
-                tracing::debug!(%key, took_ms, "loaded: not found");
-                let ttl = jitter.apply(self.settings.negative_ttl);
-                Entry::new(Status::NotFound, &[], ttl, took)
-            }
-            Err(error) => {
-                metrics::db_load("failed", took);
-                tracing::warn!(error = format!("{error:#}"), %key, "load failed");
-                Entry::new(Status::Failed, &[], Duration::ZERO, took)
             }
         }
     }

@@ -1,5 +1,5 @@
-//! A flight that panics: its requests are answered 503, the panic is logged
-//! once with the key and counted, and its leader's lock (if it held one) is
+//! The protocol: a flight that panics. Its requests are answered 503, the
+//! panic is logged once with the key and counted, and its leader's lock (if it held one) is
 //! let go as the panic unwinds (`leader.rs`, [`Held`](super::leader)).
 //!
 //! The default panic hook prints every panic to stderr, with a backtrace

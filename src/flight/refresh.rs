@@ -1,4 +1,5 @@
-//! Background refreshes: stale-while-revalidate and XFetch early refresh.
+//! The protocol: background refreshes (stale-while-revalidate and XFetch
+//! early refresh).
 //!
 //! One lock-guarded refresh for the whole fleet, without anyone waiting: the
 //! instance that wins `SET NX` reloads (as a leader: double-check, watchdog,
@@ -17,7 +18,7 @@ use tracing::Instrument;
 
 use super::{
     freshness::xfetch_fires,
-    leader::{lock_token, Led},
+    leader::{self, lock_token, Leader, Led},
     ReadPath, Source,
 };
 use crate::{
@@ -85,9 +86,10 @@ impl<S: Source> ReadPath<S> {
                 let keys = this.keys.item(&key);
                 let token = lock_token();
                 let ticket = this.memory.ticket(&key);
-                match this.try_lock(&keys, &token).await {
+                match leader::try_lock(&this, &keys, &token).await {
                     Ok(true) => {
-                        let result = match this.lead(&key, &keys, &token, seen).await {
+                        let leader = Leader::elected(&this, &key, &keys, &token);
+                        let result = match leader.lead(seen).await {
                             Led::Done(Err(_)) => "failed",
                             Led::Done(Ok(answer)) => {
                                 this.keep_in_memory(&key, &answer, &ticket);

@@ -1,4 +1,4 @@
-//! The read path's settings (built from the serve settings by
+//! The protocol: the read path's settings (built from the serve settings by
 //! `startup::read_path_settings`).
 
 use std::time::Duration;

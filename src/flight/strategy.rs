@@ -1,5 +1,5 @@
-//! The load lab's strategies behind one seam: CACHE_STRATEGY is read here
-//! and nowhere else. `pubsub` (the default) and `poll` run the fleet-wide
+//! The protocol's seam for the load lab's strategies: CACHE_STRATEGY is
+//! read here and nowhere else. `pubsub` (the default) and `poll` run the fleet-wide
 //! protocol ([`ReadPath::get`]) and differ only in how waiters wake
 //! ([`wake`]); `none`, `naive` and `local` are the baselines it is measured
 //! against (`load/compare`). A new strategy is one arm here.
@@ -91,7 +91,7 @@ impl<S: Source> ReadPath<S> {
             // Every request reads the source.
             Strategy::None => {
                 tracing::Span::current().record("role", "direct");
-                Answer::new(self.load_entry(&key).await, Served::Bypass)
+                Answer::new(self.loader.entry(&key).await, Served::Bypass)
             }
             // Cache-aside, every miss loads.
             Strategy::Naive => match self.baseline_look_up(&key).await {
@@ -145,10 +145,10 @@ impl<S: Source> ReadPath<S> {
     /// Load, then SET the value for its freshness: no lock, no waiting.
     async fn cache_aside(&self, key: &S::Key, redis_up: bool) -> Outcome {
         if !redis_up {
-            return self.bypass(key).await;
+            return self.loader.bypass(key).await;
         }
-        let entry = self.load_entry(key).await;
-        if self.too_large(&entry) {
+        let entry = self.loader.entry(key).await;
+        if self.loader.too_large(&entry) {
             return Answer::new(entry, Served::TooLarge);
         }
         if entry.status() != Status::Failed {

@@ -1,19 +1,6 @@
-//! The wait loop: fleet-wide coordination of one flight. Each round, try to
-//! become the leader; having lost, listen, look again, and sleep until woken.
-//!
-//! ```text
-//!  ┌► try the lock ──won──► lead (leader.rs)
-//!  │      │ lost
-//!  │      ▼
-//!  │   first time: start listening (SUBSCRIBE, confirmed) ── Waiting
-//!  │      ▼
-//!  │   look again (GET) ──an answer──► done ("recheck")
-//!  │      ▼
-//!  │   deadline passed? ──► 504 ("timeout")
-//!  │      ▼
-//!  └── sleep until woken: a message (answer? done, "message"), the lock's
-//!      expiry, a re-check notice, or the poll interval
-//! ```
+//! The protocol: one flight's fleet-wide coordination, driving the state
+//! machine of `machine.rs` against Redis. Each round, try to become the
+//! leader; having lost, listen, look again, and sleep until woken.
 //!
 //! The order is the race fix. Subscribing before the re-check means a
 //! leader that finishes after our GET is heard (its PUBLISH reaches a
@@ -22,18 +9,21 @@
 //! publishing costs its waiters no more than its lock's lifetime: they wake
 //! when it expires and one of them takes over.
 
-use std::time::{Duration, Instant};
+use std::{
+    future::Future,
+    time::{Duration, Instant},
+};
 
 use super::{
+    answer::Outcome,
     freshness::{judge, Verdict},
-    leader::{lock_token, Led},
-    redis::LockTtl,
-    scripts::RETRY,
-    subscriber::{Notice, Subscription},
-    Answer, Outcome, ReadError, ReadPath, Served, Source,
+    leader::{self, lock_token, Leader, Led},
+    machine::{End, Event, Step, Wait, WaitEnd},
+    ReadError, ReadPath, Served, Source,
 };
 use crate::{
     cache::{now_millis, Entry, ItemKeys},
+    redis::{LockTtl, Notice, RedisError, Subscription, RETRY},
     telemetry::metrics,
 };
 
@@ -54,211 +44,214 @@ enum Listener {
     Interval(Duration),
 }
 
-/// Why a sleeping waiter woke.
-enum Woken {
-    /// The leader's outcome, published on the channel.
-    Message(Entry),
-    /// Anything else: look again (the lock expired or was released, the
-    /// leader was fenced by a change, a message may have been lost, an
-    /// interval passed, the deadline came).
-    LookAgain,
+/// One flight of one key in this process, from its first election to its
+/// outcome: leads, or waits for the leader's outcome until WAIT_TIMEOUT
+/// (a hard bound, exceeded by at most one REDIS_TIMEOUT: a step begun
+/// before it).
+pub(super) struct Flight<'a, S: Source> {
+    path: &'a ReadPath<S>,
+    key: &'a S::Key,
+    keys: ItemKeys,
+    /// This flight's lock token (a new one after its leader is fenced).
+    token: String,
+    wait: Wait,
+    listener: Option<Listener>,
+    /// The hard bound of every Redis step.
+    hard: tokio::time::Instant,
+    /// The failure that made the flight fail open.
+    failure: Option<RedisError>,
 }
 
-/// How many times in a row a flight's own leader may be fenced by changes
-/// before it answers with what it read last (not storing it): a post
-/// changed faster than it can be read would otherwise never be answered.
-const FENCED_ROUNDS: u32 = 3;
-
-/// A wait in progress, from the first lost election to its end.
-struct Waiting {
-    since: Instant,
-    listener: Listener,
-}
-
-impl<S: Source> ReadPath<S> {
-    /// Leads, or waits for the leader's outcome until WAIT_TIMEOUT: a hard
-    /// bound, exceeded by at most one REDIS_TIMEOUT (a step begun before it).
-    pub(super) async fn coordinate(&self, key: &S::Key) -> Outcome {
-        let deadline = Instant::now() + self.settings.wait_timeout;
-        let keys = self.keys.item(key);
-        let mut token = lock_token();
-        let mut fenced = 0;
-        // None until an election is lost: winning the first one is a plain
-        // miss, not the end of a wait.
-        let mut waiting: Option<Waiting> = None;
-        // The hard bound of a wait: a Redis step begun just before the
-        // deadline may end one REDIS_TIMEOUT after it, never later.
-        let hard = (deadline + self.settings.redis_timeout).into();
-        loop {
-            // Past the deadline a waiter gives up: it neither leads nor loads.
-            if let Some(w) = &waiting {
-                if Instant::now() >= deadline {
-                    return self.timed_out(w);
-                }
-            }
-            match tokio::time::timeout_at(hard, self.try_lock(&keys, &token)).await {
-                Ok(Ok(true)) => {
-                    if let Some(w) = waiting.take() {
-                        self.wait_ended(&w, "takeover");
-                    }
-                    tracing::Span::current().record("role", "leader");
-                    match self.lead(key, &keys, &token, None).await {
-                        Led::Done(outcome) => return outcome,
-                        // What we read may predate a change: elect again,
-                        // like our waiters, and read the row anew.
-                        Led::Fenced(entry) => {
-                            fenced += 1;
-                            if fenced >= FENCED_ROUNDS || Instant::now() >= deadline {
-                                let served = if self.too_large(&entry) {
-                                    Served::TooLarge
-                                } else {
-                                    Served::Miss
-                                };
-                                return Answer::new(entry, served);
-                            }
-                            token = lock_token();
-                            continue;
-                        }
-                    }
-                }
-                Ok(Ok(false)) => {}
-                Ok(Err(error)) => return self.fail_open(key, error).await,
-                Err(_elapsed) => return Err(ReadError::Timeout),
-            }
-            let w = match &mut waiting {
-                Some(w) => w,
-                None => match tokio::time::timeout_at(hard, self.start_waiting(&keys)).await {
-                    Ok(Ok(w)) => waiting.insert(w),
-                    Ok(Err(error)) => return self.fail_open(key, error).await,
-                    Err(_elapsed) => return Err(ReadError::Timeout),
-                },
-            };
-            // Look again: the leader may have finished (and published)
-            // before our subscription existed, or since our last look.
-            match tokio::time::timeout_at(hard, self.redis.lookup(&keys.value)).await {
-                Ok(Ok(entry)) => {
-                    let verdict = judge(entry, now_millis(), Duration::ZERO, self.cutoff());
-                    if verdict == Verdict::TooLarge {
-                        self.wait_ended(w, "too_large");
-                        return self.pass(key).await;
-                    }
-                    if let Some(outcome) = verdict.settle(Served::CoalescedRemote) {
-                        self.wait_ended(w, ended_by(&outcome, "recheck"));
-                        return outcome;
-                    }
-                }
-                Ok(Err(error)) => return self.fail_open(key, error).await,
-                Err(_elapsed) => return self.timed_out(w),
-            }
-            if Instant::now() >= deadline {
-                return self.timed_out(w);
-            }
-            let woken = self.sleep(&mut w.listener, &keys, deadline);
-            match tokio::time::timeout_at(hard, woken).await {
-                Ok(Ok(Woken::Message(entry))) => {
-                    let verdict = judge(Some(entry), now_millis(), Duration::ZERO, self.cutoff());
-                    // The leader found the item too large to cache: load it
-                    // here, at once (one load per instance, not one per
-                    // waiter through the lock in turn).
-                    if verdict == Verdict::TooLarge {
-                        self.wait_ended(w, "too_large");
-                        return self.pass(key).await;
-                    }
-                    if let Some(outcome) = verdict.settle(Served::CoalescedRemote) {
-                        self.wait_ended(w, ended_by(&outcome, "message"));
-                        return outcome;
-                    }
-                    // A stale entry published: keep waiting for a fresh one.
-                }
-                Ok(Ok(Woken::LookAgain)) => {}
-                Ok(Err(error)) => return self.fail_open(key, error).await,
-                Err(_elapsed) => return self.timed_out(w),
-            }
+impl<'a, S: Source> Flight<'a, S> {
+    pub fn new(path: &'a ReadPath<S>, key: &'a S::Key) -> Self {
+        let deadline = Instant::now() + path.settings.wait_timeout;
+        Self {
+            path,
+            key,
+            keys: path.keys.item(key),
+            token: lock_token(),
+            wait: Wait::new(deadline),
+            listener: None,
+            hard: (deadline + path.settings.redis_timeout).into(),
+            failure: None,
         }
     }
 
-    fn timed_out(&self, waiting: &Waiting) -> Outcome {
-        self.wait_ended(waiting, "timeout");
-        Err(ReadError::Timeout)
-    }
-
-    /// Starts listening as the wake mode says; with pub/sub, returns once
-    /// the server has confirmed the subscription.
-    async fn start_waiting(&self, keys: &ItemKeys) -> Result<Waiting, super::RedisError> {
-        let since = Instant::now();
-        let listener = match self.settings.wake {
-            Wake::Poll(interval) => Listener::Interval(interval),
-            Wake::Message => {
-                let subscription = self.subscriber.subscribe(&keys.channel).await?;
-                #[cfg(feature = "testkit")]
-                if let Some(hook) = &self.settings.hooks.before_recheck {
-                    hook(keys.value.clone()).await;
-                }
-                Listener::Channel(subscription)
+    /// Runs the flight to its outcome.
+    pub async fn run(mut self) -> Outcome {
+        let mut event = Event::Start;
+        loop {
+            let step = self.wait.next(event, Instant::now());
+            if let Some((how, took)) = self.wait.take_ended() {
+                wait_ended(self.path, how, took);
             }
-        };
-        Ok(Waiting { since, listener })
+            event = match step {
+                Step::Elect => {
+                    let attempt = leader::try_lock(self.path, &self.keys, &self.token);
+                    match bounded(self.hard, attempt).await {
+                        Ok(won) => Event::Elected(won),
+                        Err(failed) => self.failed(failed),
+                    }
+                }
+                Step::Lead => {
+                    // A new wait, if this flight waits again, listens anew.
+                    self.listener = None;
+                    tracing::Span::current().record("role", "leader");
+                    let led = Leader::elected(self.path, self.key, &self.keys, &self.token)
+                        .lead(None)
+                        .await;
+                    if matches!(led, Led::Fenced(_)) {
+                        self.token = lock_token();
+                    }
+                    Event::Led(led)
+                }
+                Step::Listen => match bounded(self.hard, listen(self.path, &self.keys)).await {
+                    Ok(listener) => {
+                        self.listener = Some(listener);
+                        Event::Listening
+                    }
+                    Err(failed) => self.failed(failed),
+                },
+                Step::Look => {
+                    match bounded(self.hard, self.path.redis.lookup(&self.keys.value)).await {
+                        Ok(entry) => Event::Looked(self.judge(entry)),
+                        Err(failed) => self.failed(failed),
+                    }
+                }
+                Step::Sleep => match bounded(self.hard, self.sleep()).await {
+                    Ok(Some(entry)) => Event::Heard(self.judge(Some(entry))),
+                    Ok(None) => Event::Woken,
+                    Err(failed) => self.failed(failed),
+                },
+                Step::End(end) => return self.end(end).await,
+            };
+        }
     }
 
-    /// Sleeps until something worth a look happens, or the deadline.
-    async fn sleep(
-        &self,
-        listener: &mut Listener,
-        keys: &ItemKeys,
-        deadline: Instant,
-    ) -> Result<Woken, super::RedisError> {
-        let subscription = match listener {
-            Listener::Interval(interval) => {
+    /// The event a failed step makes: fail open, or (past the hard bound)
+    /// time out.
+    fn failed(&mut self, failed: Failed) -> Event {
+        match failed {
+            Failed::Redis(error) => {
+                self.failure = Some(error);
+                Event::RedisFailed
+            }
+            Failed::Overran => Event::Overran,
+        }
+    }
+
+    fn judge(&self, entry: Option<Entry>) -> Verdict {
+        judge(entry, now_millis(), Duration::ZERO, self.path.cutoff())
+    }
+
+    /// Sleeps until something worth a look happens, or the deadline: the
+    /// entry a message carried, or `None` to look again.
+    async fn sleep(&mut self) -> Result<Option<Entry>, RedisError> {
+        let deadline = self.wait.deadline();
+        let subscription = match self.listener.as_mut() {
+            Some(Listener::Interval(interval)) => {
                 let wake_at = (Instant::now() + *interval).min(deadline);
                 tokio::time::sleep_until(wake_at.into()).await;
-                return Ok(Woken::LookAgain);
+                return Ok(None);
             }
-            Listener::Channel(subscription) => subscription,
+            Some(Listener::Channel(subscription)) => subscription,
+            // Never: the machine listens before it sleeps.
+            None => return Ok(None),
         };
+        let (path, keys) = (self.path, &self.keys);
         // Sleep no longer than the lock lives: a leader that dies without
         // publishing is replaced once its lock expires (+1 ms to be past it).
-        let lock_left = match self.redis.pttl(&keys.lock).await? {
+        let lock_left = match path.redis.pttl(&keys.lock).await? {
             // Released meanwhile: look and try again now.
-            LockTtl::Absent => return Ok(Woken::LookAgain),
+            LockTtl::Absent => return Ok(None),
             LockTtl::Expires(left) => left + Duration::from_millis(1),
             // Set from outside without expiry: look again after a lock's lifetime.
-            LockTtl::NoExpiry => self.settings.lock_ttl,
+            LockTtl::NoExpiry => path.settings.lock_ttl,
         };
         let wake_at = (Instant::now() + lock_left).min(deadline);
         let notice = tokio::time::timeout_at(wake_at.into(), subscription.recv()).await;
         Ok(match notice {
-            // The leader was fenced: elect again.
-            Ok(Notice::Message(payload)) if payload.as_ref() == RETRY => Woken::LookAgain,
+            // The leader was fenced or gone: elect again.
+            Ok(Notice::Message(payload)) if payload.as_ref() == RETRY => None,
             Ok(Notice::Message(payload)) => match Entry::decode(payload) {
-                Ok(entry) => Woken::Message(entry),
+                Ok(entry) => Some(entry),
                 Err(error) => {
                     metrics::garbage("message");
                     tracing::warn!(%error, channel = keys.channel, "undecodable ready message ignored");
-                    Woken::LookAgain
+                    None
                 }
             },
             // Messages may have been lost (reconnect, lag).
-            Ok(Notice::Recheck) => Woken::LookAgain,
+            Ok(Notice::Recheck) => None,
             // The lock's expiry (look, maybe lead) or the deadline.
-            Err(_elapsed) => Woken::LookAgain,
+            Err(_elapsed) => None,
         })
     }
 
-    fn wait_ended(&self, waiting: &Waiting, ended_by: &'static str) {
-        metrics::wait_ended(ended_by, waiting.since.elapsed());
-        #[cfg(feature = "testkit")]
-        if let Some(hook) = &self.settings.hooks.wait_ended {
-            hook(ended_by);
+    async fn end(self, end: End) -> Outcome {
+        let loader = &self.path.loader;
+        match end {
+            End::Answer(outcome) => outcome,
+            End::Pass => loader.pass(self.key).await,
+            End::Unstored(entry) => {
+                let served = if loader.too_large(&entry) {
+                    Served::TooLarge
+                } else {
+                    Served::Miss
+                };
+                super::Answer::new(entry, served)
+            }
+            End::TimedOut => Err(ReadError::Timeout),
+            End::FailOpen => {
+                let error = self.failure.expect("a failure makes the flight fail open");
+                loader.fail_open(self.key, error).await
+            }
         }
     }
 }
 
-/// The `ended_by` label of a wait that settled with `outcome` through `how`.
-fn ended_by(outcome: &Outcome, how: &'static str) -> &'static str {
-    if outcome.is_err() {
-        "failure"
-    } else {
-        how
+/// Why a step of a flight produced no reply.
+enum Failed {
+    Redis(RedisError),
+    /// Past the hard bound.
+    Overran,
+}
+
+/// A Redis step under the hard bound.
+async fn bounded<T>(
+    hard: tokio::time::Instant,
+    step: impl Future<Output = Result<T, RedisError>>,
+) -> Result<T, Failed> {
+    match tokio::time::timeout_at(hard, step).await {
+        Ok(Ok(reply)) => Ok(reply),
+        Ok(Err(error)) => Err(Failed::Redis(error)),
+        Err(_elapsed) => Err(Failed::Overran),
+    }
+}
+
+/// Starts listening as the wake mode says; with pub/sub, returns once the
+/// server has confirmed the subscription.
+async fn listen<S: Source>(path: &ReadPath<S>, keys: &ItemKeys) -> Result<Listener, RedisError> {
+    Ok(match path.settings.wake {
+        Wake::Poll(interval) => Listener::Interval(interval),
+        Wake::Message => {
+            let subscription = path.subscriber.subscribe(&keys.channel).await?;
+            #[cfg(feature = "testkit")]
+            if let Some(hook) = &path.settings.hooks.before_recheck {
+                hook(keys.value.clone()).await;
+            }
+            Listener::Channel(subscription)
+        }
+    })
+}
+
+/// Counts a wait that ended (and tells the test hook).
+#[cfg_attr(not(feature = "testkit"), allow(unused_variables))]
+fn wait_ended<S: Source>(path: &ReadPath<S>, how: WaitEnd, took: Duration) {
+    metrics::wait_ended(how.as_str(), took);
+    #[cfg(feature = "testkit")]
+    if let Some(hook) = &path.settings.hooks.wait_ended {
+        hook(how);
     }
 }
 
@@ -270,7 +263,7 @@ pub struct Hooks {
     /// Runs after a waiter's subscription is confirmed, before its re-check.
     pub before_recheck: Option<Hook>,
     /// Called the moment a wait ends, with what ended it.
-    pub wait_ended: Option<std::sync::Arc<dyn Fn(&'static str) + Send + Sync>>,
+    pub wait_ended: Option<std::sync::Arc<dyn Fn(WaitEnd) + Send + Sync>>,
     /// Runs after a leader's load, before its finish.
     pub after_load: Option<Hook>,
 }

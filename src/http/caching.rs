@@ -1,4 +1,4 @@
-//! The values of the caching headers a read repeats (`Cache-Control`,
+//! HTTP: the values of the caching headers a read repeats (`Cache-Control`,
 //! `Age`), made once per process for the first hour of seconds: a hit looks
 //! them up instead of formatting a string and allocating a header value.
 //!

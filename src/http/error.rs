@@ -1,4 +1,5 @@
-//! The one error type of the HTTP layer and its mapping to status codes.
+//! HTTP: the one error type of the HTTP layer and its mapping to status
+//! codes.
 
 use axum::{
     http::{header, HeaderValue, StatusCode},
@@ -6,9 +7,19 @@ use axum::{
     Json,
 };
 
-use super::openapi::ErrorBody;
+use serde::Serialize;
+use utoipa::ToSchema;
+
 use crate::flight::ReadError;
 use crate::posts::InvalidId;
+
+/// The body of every error: `{"error": "..."}`, a short message (5xx
+/// bodies never carry internals).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    /// What went wrong, for people.
+    pub error: String,
+}
 
 /// Every error a client can see. Bodies are `{"error": "..."}`; 5xx bodies
 /// never carry internals (those are logged where they happen).

@@ -1,4 +1,4 @@
-//! Request handlers.
+//! HTTP: request handlers.
 
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,11 @@ use axum::{
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{caching::CachingHeaders, error::ApiError, openapi::ErrorBody, served, AppState};
+use super::{
+    caching::CachingHeaders,
+    error::{ApiError, ErrorBody},
+    served, AppState,
+};
 use crate::{
     cache::{now_millis, Entry, Status},
     flight::{Answer, Served},

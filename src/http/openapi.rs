@@ -1,4 +1,4 @@
-//! The OpenAPI 3.1 document of the HTTP API (`GET /openapi.json`).
+//! HTTP: the OpenAPI 3.1 document of the HTTP API (`GET /openapi.json`).
 //!
 //! Generated from the code, so it cannot drift from it: each route is
 //! registered with the annotation on its handler (`utoipa-axum`'s
@@ -14,16 +14,15 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use bytes::Bytes;
-use serde::Serialize;
 use utoipa::{
     openapi::{
         header::Header, path::Operation, ObjectBuilder, OpenApi as Document, RefOr, Schema, Type,
     },
-    OpenApi, ToSchema,
+    OpenApi,
 };
 use utoipa_axum::router::OpenApiRouter;
 
-use super::{handlers, served, AppState};
+use super::{error::ErrorBody, handlers, served, AppState};
 use crate::flight::Served;
 
 /// The document's fixed parts; the paths come from the routes.
@@ -41,14 +40,6 @@ use crate::flight::Served;
     )
 )]
 struct Fixed;
-
-/// The body of every error: `{"error": "..."}`, a short message (5xx
-/// bodies never carry internals).
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ErrorBody {
-    /// What went wrong, for people.
-    pub error: String,
-}
 
 /// The documented routes, each with its handler (see the module's doc).
 pub fn routes() -> OpenApiRouter<AppState> {

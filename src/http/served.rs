@@ -1,4 +1,4 @@
-//! How an answer was served, as HTTP shows it: the `X-Cache` and
+//! HTTP: how an answer was served, as HTTP shows it: the `X-Cache` and
 //! `X-Cache-Tier` headers and the `outcome` and `tier` labels of the request
 //! metrics.
 

@@ -1,5 +1,5 @@
-//! The post id: a decimal integer in 1..=i64::MAX, parsed wherever one
-//! arrives (the path of `GET /posts/{id}`, the command line).
+//! The post: the post id: a decimal integer in 1..=i64::MAX, parsed wherever
+//! one arrives (the path of `GET /posts/{id}`, the command line).
 
 use std::fmt;
 

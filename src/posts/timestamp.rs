@@ -1,5 +1,5 @@
-//! `timestamptz` as PostgreSQL holds it, every value of it: from 4713 BC to
-//! 294276 AD, and `infinity` and `-infinity`.
+//! The post: `timestamptz` as PostgreSQL holds it, every value of it: from
+//! 4713 BC to 294276 AD, and `infinity` and `-infinity`.
 //!
 //! A calendar type (`time`, `chrono`) holds years −9999..=9999 at most, and
 //! decoding a value outside it panics or fails (sqlx's decoding of

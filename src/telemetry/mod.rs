@@ -1,4 +1,5 @@
-//! Logging setup: `RUST_LOG` filters, `LOG_FORMAT` picks text or JSON.
+//! Telemetry: logging setup: `RUST_LOG` filters, `LOG_FORMAT` picks text or
+//! JSON.
 
 pub mod metrics;
 

@@ -1,4 +1,5 @@
-//! Requests to an instance, and instances running in the test's process.
+//! Test support: requests to an instance, and instances running in the
+//! test's process.
 
 use std::time::{Duration, Instant};
 

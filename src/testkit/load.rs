@@ -1,6 +1,7 @@
-//! A steady read load over a fleet, recorded per request, and what the
-//! fault tests read from the record: the status mix and the hit ratio over
-//! time, and how long the hit ratio took to come back after a fault.
+//! Test support: a steady read load over a fleet, recorded per request, and
+//! what the fault tests read from the record: the status mix and the hit
+//! ratio over time, and how long the hit ratio took to come back after a
+//! fault.
 
 use std::{
     sync::{Arc, Mutex, PoisonError},

@@ -12,6 +12,7 @@
 //! Every request goes through one client ([`Http`]); every wait goes through
 //! [`wait_until`], its bound in the call.
 
+mod database;
 mod http;
 mod load;
 mod process;
@@ -26,12 +27,13 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub use database::{blocked_loads, TableLock};
 pub use http::{answered, fire, in_progress, metric, Http, Reply, TestApp};
 pub use load::{Record, Sample, SteadyLoad, Zipf};
 pub use process::{ServiceProcess, TcpProxy};
 pub use redis::{RedisCluster, RedisServer};
 pub use socket::{raw_request, RawConn, RawReply};
-pub use world::{blocked_loads, TableLock, TestEnv};
+pub use world::TestEnv;
 
 /// Settings for tests that hold a load back: generous bounds, so only the
 /// behaviour under test decides the outcome.

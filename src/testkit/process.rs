@@ -1,5 +1,5 @@
-//! A TCP proxy that cuts or stalls connections, and `postcache serve` as a
-//! process that can be signalled.
+//! Test support: A TCP proxy that cuts or stalls connections, and `postcache
+//! serve` as a process that can be signalled.
 
 use std::{
     net::SocketAddr,

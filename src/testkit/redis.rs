@@ -1,5 +1,5 @@
-//! A private `redis-server`, alone, over TLS, or as a cluster: started in a
-//! temp dir on free ports, killed on drop.
+//! Test support: a private `redis-server`, alone, over TLS, or as a cluster:
+//! started in a temp dir on free ports, killed on drop.
 
 use std::{
     net::TcpListener as StdListener,

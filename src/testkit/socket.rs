@@ -1,6 +1,7 @@
-//! A client connection on a bare socket, for what a well-behaved HTTP client
-//! never does: headers sent half-way or a byte at a time, a kept-alive
-//! connection left idle, a connection counted against a cap.
+//! Test support: a client connection on a bare socket, for what a
+//! well-behaved HTTP client never does: headers sent half-way or a byte at a
+//! time, a kept-alive connection left idle, a connection counted against a
+//! cap.
 
 use std::{
     net::SocketAddr,

@@ -1,6 +1,7 @@
-//! One test's world: its database, its key prefix, its instances.
+//! Test support: one test's world (its database, its key prefix, its
+//! instances).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Parser;
 use fred::prelude::*;
@@ -8,8 +9,10 @@ use rand::Rng;
 use sqlx::{postgres::PgPoolOptions, Connection, PgConnection, PgPool};
 
 use super::{
-    http::TestApp, in_progress, init_tracing, postgres_port, redis_url, server_url, wait_until,
-    ServiceProcess, TcpProxy, A_WHILE,
+    database::{blocked_loads, drop_slots},
+    http::TestApp,
+    in_progress, init_tracing, postgres_port, redis_url, server_url, wait_until, ServiceProcess,
+    TcpProxy, A_WHILE,
 };
 use crate::{
     cache::{Entry, Keys},
@@ -394,83 +397,4 @@ impl Drop for TestEnv {
         })
         .join();
     }
-}
-
-/// Drops the replication slots of database `name` (a database with a slot
-/// cannot be dropped, and a slot left behind keeps WAL forever): their
-/// walsenders are ended first, and waited for.
-pub async fn drop_slots(conn: &mut PgConnection, name: &str) {
-    for _ in 0..50 {
-        let _ = sqlx::query(
-            "select pg_terminate_backend(active_pid) from pg_replication_slots
-             where database = $1 and active_pid is not null",
-        )
-        .bind(name)
-        .execute(&mut *conn)
-        .await;
-        let _ = sqlx::query(
-            "select pg_drop_replication_slot(slot_name) from pg_replication_slots
-             where database = $1 and not active",
-        )
-        .bind(name)
-        .execute(&mut *conn)
-        .await;
-        let left: i64 =
-            sqlx::query_scalar("select count(*) from pg_replication_slots where database = $1")
-                .bind(name)
-                .fetch_one(&mut *conn)
-                .await
-                .unwrap_or(1);
-        if left == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Holds `LOCK TABLE posts IN ACCESS EXCLUSIVE MODE` until released: every
-/// load of a post blocks meanwhile.
-pub struct TableLock {
-    tx: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
-}
-
-impl TableLock {
-    pub async fn take(env: &TestEnv) -> Self {
-        let mut tx = env.admin.begin().await.unwrap();
-        sqlx::query("lock table posts in access exclusive mode")
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        Self { tx: Some(tx) }
-    }
-
-    /// Runs `sql` in the transaction holding the lock (to change the table
-    /// under it); it takes effect at [`TableLock::commit`].
-    pub async fn execute(&mut self, sql: &str) {
-        let tx = self.tx.as_mut().expect("held until commit or release");
-        sqlx::query(sql).execute(&mut **tx).await.unwrap();
-    }
-
-    /// Commits what was done under the lock, releasing it.
-    pub async fn commit(mut self) -> Instant {
-        self.tx.take().unwrap().commit().await.unwrap();
-        Instant::now()
-    }
-
-    pub async fn release(mut self) -> Instant {
-        self.tx.take().unwrap().rollback().await.unwrap();
-        Instant::now()
-    }
-}
-
-/// Backends of the service currently blocked on a lock (a leader held back by [`TableLock`]).
-pub async fn blocked_loads(env: &TestEnv) -> i64 {
-    sqlx::query_scalar(
-        "select count(*) from pg_stat_activity
-         where datname = current_database() and wait_event_type = 'Lock'
-           and application_name = 'postcache'",
-    )
-    .fetch_one(&env.admin)
-    .await
-    .unwrap()
 }

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use postcache::{
-    cache::{Entry, Status},
-    flight::{RedisCommands, StoreFor},
+    cache::{Entry, ItemKeys, Status},
+    redis::{Finish, RedisCommands, StoreFor},
     testkit::{
         answered, fire, wait_until, RedisServer, TableLock, TcpProxy, TestEnv, A_WHILE, PATIENT,
     },
@@ -239,6 +239,19 @@ const STORE: StoreFor = StoreFor {
     failure: Duration::from_secs(5),
 };
 
+/// A finish with STORE, no fence seen, and no cutoff.
+fn finish<'a>(keys: &'a ItemKeys, token: &'a str, entry: &'a Entry) -> Finish<'a> {
+    Finish {
+        keys,
+        token,
+        entry,
+        store: STORE,
+        fence: "",
+        cutoff: 0,
+        sharded: false,
+    }
+}
+
 #[tokio::test]
 async fn a_stale_leader_finishing_last_does_not_overwrite_the_newer_value() {
     let env = TestEnv::new(0).await;
@@ -246,16 +259,16 @@ async fn a_stale_leader_finishing_last_does_not_overwrite_the_newer_value() {
     let keys = env.keys.item(9);
 
     commands
-        .finish(&keys, "new-leader", &newer, STORE, "", 0)
+        .eval(&finish(&keys, "new-leader", &newer))
         .await
         .unwrap();
     let stale = commands
-        .finish(&keys, "old-leader", &older, STORE, "", 0)
+        .eval(&finish(&keys, "old-leader", &older))
         .await
         .unwrap();
     let failed = Entry::new(Status::Failed, b"", Duration::ZERO, Duration::ZERO);
     let stale_failure = commands
-        .finish(&keys, "old-leader", &failed, STORE, "", 0)
+        .eval(&finish(&keys, "old-leader", &failed))
         .await
         .unwrap();
 
@@ -283,13 +296,13 @@ async fn a_stale_leader_finishing_first_does_not_store_over_the_new_leaders_load
     let keys = env.keys.item(9);
 
     let stale = commands
-        .finish(&keys, "old-leader", &older, STORE, "", 0)
+        .eval(&finish(&keys, "old-leader", &older))
         .await
         .unwrap();
     let stored_meanwhile = env.stored(9).await;
 
     let fresh = commands
-        .finish(&keys, "new-leader", &newer, STORE, "", 0)
+        .eval(&finish(&keys, "new-leader", &newer))
         .await
         .unwrap();
 

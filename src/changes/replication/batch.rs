@@ -1,6 +1,6 @@
-//! What the decoder holds between reading and applying: the transaction
-//! being read, the batch of committed ones, and how far it has got (what
-//! may be confirmed, what waits for Redis).
+//! The change feed (replication): what the decoder holds between reading and
+//! applying: the transaction being read, the batch of committed ones, and
+//! how far it has got (what may be confirmed, what waits for Redis).
 
 use std::{
     collections::HashMap,
@@ -10,7 +10,7 @@ use std::{
 use pgwire_replication::Lsn;
 
 use super::BULK;
-use crate::flight::ChangeKind;
+use crate::redis::ChangeKind;
 
 /// One transaction being read.
 pub(super) struct Pending {

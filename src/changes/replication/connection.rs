@@ -1,5 +1,5 @@
-//! The replication connection: its settings, from DATABASE_URL, and how
-//! the server refuses a slot.
+//! The change feed (replication): the replication connection: its settings,
+//! from DATABASE_URL, and how the server refuses a slot.
 
 use std::{collections::HashMap, time::Duration};
 

@@ -1,6 +1,7 @@
-//! The decoder at work, holding the slot: each committed transaction's
-//! changed posts, gathered into batches, applied to Redis and appended to
-//! the stream; the LSN confirmed once they are.
+//! The change feed (replication): the decoder at work, holding the slot:
+//! each committed transaction's changed posts, gathered into batches,
+//! applied to Redis and appended to the stream; the LSN confirmed once they
+//! are.
 
 use std::{
     collections::HashMap,
@@ -19,7 +20,7 @@ use crate::{
         fanout::{self, Entry, BEAT_EVERY},
         pgoutput::{self, Layouts, Message},
     },
-    flight::ChangeKind,
+    redis::ChangeKind,
     telemetry::metrics,
 };
 

@@ -53,7 +53,10 @@ pub use connection::replication_config;
 use connection::{refusal, Refusal};
 
 use super::fanout::{self, Beats, Entry, BEAT_STALE};
-use crate::{config::DatabaseSettings, flight::ReadPath, posts::PostStore, telemetry::metrics};
+use crate::{
+    config::DatabaseSettings, flight::ReadPath, posts::PostStore, redis::RaiseCutoff,
+    telemetry::metrics,
+};
 
 /// The publication of `posts` (migration 0004).
 pub const PUBLICATION: &str = "postcache_posts";
@@ -303,15 +306,15 @@ impl Candidate {
             Some(change) => self.read_path.invalidate_all(change).await?,
             None => {
                 let keys = self.read_path.keys();
-                let cutoff = redis
-                    .raise_cutoff(
-                        &keys.cutoff(),
-                        &keys.cutoffs_applied(),
-                        crate::cache::now_millis(),
-                        None,
-                        Duration::from_secs(1),
-                    )
-                    .await?;
+                let (cutoff, applied) = (keys.cutoff(), keys.cutoffs_applied());
+                let raise = RaiseCutoff {
+                    cutoff: &cutoff,
+                    applied: &applied,
+                    to: crate::cache::now_millis(),
+                    change: None,
+                    remember: Duration::from_secs(1),
+                };
+                let cutoff = redis.eval(&raise).await?;
                 self.read_path.forget_all();
                 cutoff
             }

@@ -1,5 +1,6 @@
-//! When a connection is closed for taking too long: the deadline of one
-//! connection, moved by what happens on it, and the watch that closes it.
+//! HTTP (the server): when a connection is closed for taking too long: the
+//! deadline of one connection, moved by what happens on it, and the watch
+//! that closes it.
 //!
 //! A connection is always in one of three phases:
 //!

@@ -1,5 +1,5 @@
-//! Serving connections: the accept loop, the connection cap, each
-//! connection's deadlines, and the graceful shutdown.
+//! HTTP (the server): serving connections: the accept loop, the connection
+//! cap, each connection's deadlines, and the graceful shutdown.
 //!
 //! `axum::serve` sets no deadline on a connection: a client that never
 //! finishes its headers, or a kept-alive connection nobody uses, is held for

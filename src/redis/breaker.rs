@@ -1,12 +1,13 @@
-//! A circuit breaker in front of Redis: while Redis is down, requests stop
-//! paying REDIS_TIMEOUT on every command and fail open at once.
+//! The Redis side: a circuit breaker in front of Redis. While Redis is
+//! down, requests stop paying REDIS_TIMEOUT on every command and fail open
+//! at once.
 //!
 //! Closed: commands pass; BREAKER_FAILURES consecutive connection failures or
 //! timeouts open it. Open: commands are refused without touching Redis for
 //! BREAKER_COOLDOWN. Half-open: one command (the probe) passes; its success
 //! closes the breaker, its failure opens it for another cooldown. A new
 //! connection that took the scripts and answers a keyed read closes it at
-//! once (`scripts.rs`).
+//! once (`scripts/loading.rs`).
 //!
 //! The probe is a [`Permit`]: a command's future may be dropped at any await
 //! (its client went away), and a probe that ends without a verdict must not

@@ -1,5 +1,6 @@
 -- The leader's finish, fenced by the lock and by the change fence (see
--- FINISH_LUA in scripts.rs). Placeholders (upper-case names after a dollar
+-- finish.rs). K and A are its KEYS and ARGV by name, as `Finish` in
+-- finish.rs sends them. Placeholders (upper-case names after a dollar
 -- sign) are the envelope's layout, filled in from the constants of
 -- cache/entry.rs (Lua strings count from 1).
 local function valid(s)
@@ -18,22 +19,22 @@ local function backoff(s)
   return string.sub(s, 1, $FLAGS - 1) .. string.char(bit.bor(string.byte(s, $FLAGS), $BACKOFF)) .. string.sub(s, $FLAGS + 1)
 end
 
-local entry = ARGV[1]
-local holder = redis.call('GET', KEYS[2])
-local ours = holder == ARGV[3]
+local entry = A.entry
+local holder = redis.call('GET', K.lock)
+local ours = holder == A.token
 local released = 0
 -- A change was applied to the item since this leader looked at the fence,
 -- before its read: what it read may be older than the change. Nothing is
 -- stored; the waiters are told to elect a leader again.
-if (redis.call('GET', KEYS[4]) or '') ~= ARGV[9] then
-  redis.call(ARGV[7], ARGV[4], ARGV[11])
+if (redis.call('GET', K.fence) or '') ~= A.fence then
+  redis.call(A.publish, A.channel, A.retry)
   if ours then
-    redis.call('DEL', KEYS[2])
+    redis.call('DEL', K.lock)
     released = 1
   end
-  return {released, ARGV[11], 1}
+  return {released, A.retry, 1}
 end
-local current = redis.call('GET', KEYS[1])
+local current = redis.call('GET', K.value)
 if not valid(current) then current = nil end
 local may_write = ours or (not holder and (not current or u64(current, $STORED_AT) <= u64(entry, $STORED_AT)))
 local payload = entry
@@ -41,8 +42,8 @@ local publish = true
 if not may_write then
   if current then payload = current else publish = false end
 elseif status(entry) == $FAILED then
-  if current and status(current) ~= $FAILED and u64(current, $FRESH_UNTIL) > tonumber(ARGV[8])
-      and read_at(current) >= tonumber(ARGV[10]) then
+  if current and status(current) ~= $FAILED and u64(current, $FRESH_UNTIL) > tonumber(A.now)
+      and read_at(current) >= tonumber(A.cutoff) then
     payload = current
   else
     -- The last good copy: the value (a found entry past freshness), else
@@ -52,34 +53,34 @@ elseif status(entry) == $FAILED then
     if current and status(current) == $FOUND then
       copy = current
     else
-      copy = redis.call('GET', KEYS[3])
+      copy = redis.call('GET', K.fail_safe)
       if not (valid(copy) and status(copy) ~= $FAILED) then copy = nil end
     end
-    if copy and read_at(copy) < tonumber(ARGV[10]) then copy = nil end
+    if copy and read_at(copy) < tonumber(A.cutoff) then copy = nil end
     if copy then payload = backoff(copy) end
-    if tonumber(ARGV[6]) > 0 then
-      redis.call('SET', KEYS[1], payload, 'PX', ARGV[6])
+    if tonumber(A.failure_ms) > 0 then
+      redis.call('SET', K.value, payload, 'PX', A.failure_ms)
     end
   end
 else
-  if tonumber(ARGV[2]) > 0 then
-    redis.call('SET', KEYS[1], entry, 'PX', ARGV[2])
+  if tonumber(A.value_ms) > 0 then
+    redis.call('SET', K.value, entry, 'PX', A.value_ms)
   end
-  if tonumber(ARGV[5]) == 0 then
-    redis.call('DEL', KEYS[3])
+  if tonumber(A.fail_safe_ms) == 0 then
+    redis.call('DEL', K.fail_safe)
   elseif status(entry) == $FOUND then
-    redis.call('SET', KEYS[3], entry, 'PX', ARGV[5])
+    redis.call('SET', K.fail_safe, entry, 'PX', A.fail_safe_ms)
   else
     -- Not found: a copy kept for an item that existed becomes its
     -- tombstone; none is made for an item never seen.
-    redis.call('SET', KEYS[3], entry, 'PX', ARGV[5], 'XX')
+    redis.call('SET', K.fail_safe, entry, 'PX', A.fail_safe_ms, 'XX')
   end
 end
 if publish then
-  redis.call(ARGV[7], ARGV[4], payload)
+  redis.call(A.publish, A.channel, payload)
 end
 if ours then
-  redis.call('DEL', KEYS[2])
+  redis.call('DEL', K.lock)
   released = 1
 end
 return {released, payload, 0}

@@ -1,6 +1,6 @@
-//! Keeping the server's subscriptions right: after a reconnect (subscribe
-//! again, then re-check) and after a SUBSCRIBE or UNSUBSCRIBE whose effect
-//! is unknown (reconcile).
+//! The Redis side: keeping the server's subscriptions right, after a
+//! reconnect (subscribe again, then re-check) and after a SUBSCRIBE or
+//! UNSUBSCRIBE whose effect is unknown (reconcile).
 
 use std::{
     sync::{Arc, PoisonError, Weak},

@@ -1,4 +1,5 @@
-//! Where the commands on a key go, and the circuit breaker that guards them.
+//! The Redis side: where the commands on a key go, and the circuit breaker
+//! that guards them.
 //!
 //! A single Redis: one client, one breaker. A Redis Cluster: a client and a
 //! breaker per primary, found from the key's hash slot. Per breaker, so that

@@ -1,4 +1,5 @@
-//! One shared subscriber connection per process, multiplexing every ready channel.
+//! The Redis side: one shared subscriber connection per process,
+//! multiplexing every ready channel.
 //!
 //! Only flight owners subscribe, and there is at most one flight per key per
 //! process, so a channel usually has a single local listener; the reference
@@ -32,7 +33,7 @@ use tokio::sync::broadcast;
 
 use super::{
     breaker::Breaker,
-    redis::{guarded, RedisError},
+    error::{guarded, RedisError},
 };
 use crate::telemetry::metrics;
 

@@ -1,0 +1,194 @@
+//! Settings: what clap cannot express. The parsers of durations, β and
+//! jitter, the bounds of every setting, and each group's `validate`, so
+//! that a bad setting is refused at start with its name.
+
+use std::time::Duration;
+
+use super::{CacheSettings, DatabaseSettings, ServeArgs};
+
+/// Parses `250ms`, `5s`, `2m` (any humantime duration).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim()).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+pub(super) fn parse_beta(s: &str) -> Result<f64, String> {
+    let b: f64 = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("invalid beta {s:?}: {e}"))?;
+    if b.is_finite() && b >= 0.0 {
+        Ok(b)
+    } else {
+        Err(format!("beta must be a finite number >= 0, got {b}"))
+    }
+}
+
+pub(super) fn parse_jitter(s: &str) -> Result<f64, String> {
+    let j: f64 = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("invalid jitter {s:?}: {e}"))?;
+    if (0.0..1.0).contains(&j) {
+        Ok(j)
+    } else {
+        Err(format!("jitter must be in [0, 1), got {j}"))
+    }
+}
+
+/// LOAD_TIMEOUT's margin over DB_STATEMENT_TIMEOUT when it is not set.
+const LOAD_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
+
+/// The longest any duration setting may be: far above any sensible TTL or
+/// timeout, and far enough below the limits of the arithmetic done with
+/// them (deadlines, jitter, fences, TTLs in milliseconds) that none overflows.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The largest count settings (connections, requests in flight): far above
+/// what one process can hold, far below what overflows a semaphore or a sum.
+pub const MAX_COUNT: usize = 10_000_000;
+/// The largest MAX_ENTRY_BYTES: Redis refuses bulk strings over 512 MiB.
+pub const MAX_ENTRY_BYTES_LIMIT: usize = 512 << 20;
+
+/// Refuses a duration above [`MAX_DURATION`], naming the setting.
+fn at_most_a_year(name: &str, d: Duration) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        d <= MAX_DURATION,
+        "{name} ({}) must be at most {}",
+        humantime::format_duration(d),
+        humantime::format_duration(MAX_DURATION)
+    );
+    Ok(())
+}
+
+impl DatabaseSettings {
+    /// Checks what clap cannot express.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.db_max_connections > 0,
+            "DB_MAX_CONNECTIONS must be positive"
+        );
+        anyhow::ensure!(
+            self.db_max_connections as usize <= MAX_COUNT,
+            "DB_MAX_CONNECTIONS must be at most {MAX_COUNT}"
+        );
+        anyhow::ensure!(
+            !self.db_acquire_timeout.is_zero(),
+            "DB_ACQUIRE_TIMEOUT must be positive"
+        );
+        anyhow::ensure!(
+            !self.db_statement_timeout.is_zero(),
+            "DB_STATEMENT_TIMEOUT must be positive"
+        );
+        at_most_a_year("DB_ACQUIRE_TIMEOUT", self.db_acquire_timeout)?;
+        at_most_a_year("DB_STATEMENT_TIMEOUT", self.db_statement_timeout)
+    }
+}
+
+impl CacheSettings {
+    /// Checks what clap cannot express, for every command that uses Redis.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        // The id's hash tag must be the first `{…}` of every key name, so
+        // that one post's keys share a Redis Cluster slot.
+        anyhow::ensure!(
+            !self.key_prefix.contains(['{', '}']),
+            "KEY_PREFIX must not contain '{{' or '}}' (they would change the Redis Cluster hash tag of every key)"
+        );
+        for (name, d) in [
+            ("CACHE_TTL", self.cache_ttl),
+            ("NEGATIVE_TTL", self.negative_ttl),
+            ("LOCK_TTL", self.lock_ttl),
+            ("WAIT_TIMEOUT", self.wait_timeout),
+            ("REDIS_TIMEOUT", self.redis_timeout),
+            ("POLL_INTERVAL", self.poll_interval),
+            ("STALE_WHILE_REVALIDATE", self.stale_while_revalidate),
+            ("MAX_STALE", self.max_stale),
+            ("L1_TTL", self.l1_ttl),
+            ("FAILURE_TTL", self.failure_ttl),
+        ] {
+            at_most_a_year(name, d)?;
+        }
+        if let Some(load_timeout) = self.load_timeout {
+            at_most_a_year("LOAD_TIMEOUT", load_timeout)?;
+        }
+        anyhow::ensure!(self.max_entry_bytes > 0, "MAX_ENTRY_BYTES must be positive");
+        anyhow::ensure!(
+            self.max_entry_bytes <= MAX_ENTRY_BYTES_LIMIT,
+            "MAX_ENTRY_BYTES must be at most {MAX_ENTRY_BYTES_LIMIT} (Redis's largest value)"
+        );
+        Ok(())
+    }
+
+    /// LOAD_TIMEOUT, or DB_STATEMENT_TIMEOUT plus a margin: the server's
+    /// bound should end a slow query first, the client's a dead connection.
+    pub fn load_timeout(&self, database: &DatabaseSettings) -> Duration {
+        self.load_timeout
+            .unwrap_or(database.db_statement_timeout + LOAD_TIMEOUT_MARGIN)
+    }
+}
+
+impl ServeArgs {
+    /// LOAD_TIMEOUT as resolved (see [`CacheSettings::load_timeout`]).
+    pub fn load_timeout(&self) -> Duration {
+        self.cache.load_timeout(&self.database)
+    }
+
+    /// Checks the relations between settings that clap cannot express.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let c = &self.cache;
+        self.database.validate()?;
+        c.validate()?;
+        for (name, d) in [
+            ("REQUEST_TIMEOUT", self.request_timeout),
+            ("HEADER_READ_TIMEOUT", self.header_read_timeout),
+            ("IDLE_TIMEOUT", self.idle_timeout),
+            ("CHANGE_RETENTION", self.change_retention),
+        ] {
+            at_most_a_year(name, d)?;
+        }
+        anyhow::ensure!(
+            self.max_in_flight <= MAX_COUNT,
+            "MAX_IN_FLIGHT must be at most {MAX_COUNT}"
+        );
+        anyhow::ensure!(
+            self.max_connections <= MAX_COUNT,
+            "MAX_CONNECTIONS must be at most {MAX_COUNT}"
+        );
+        anyhow::ensure!(!c.cache_ttl.is_zero(), "CACHE_TTL must be positive");
+        anyhow::ensure!(!c.negative_ttl.is_zero(), "NEGATIVE_TTL must be positive");
+        anyhow::ensure!(!c.lock_ttl.is_zero(), "LOCK_TTL must be positive");
+        anyhow::ensure!(!c.wait_timeout.is_zero(), "WAIT_TIMEOUT must be positive");
+        anyhow::ensure!(
+            !self.load_timeout().is_zero(),
+            "LOAD_TIMEOUT must be positive"
+        );
+        anyhow::ensure!(!c.redis_timeout.is_zero(), "REDIS_TIMEOUT must be positive");
+        anyhow::ensure!(!c.poll_interval.is_zero(), "POLL_INTERVAL must be positive");
+        anyhow::ensure!(self.max_in_flight > 0, "MAX_IN_FLIGHT must be positive");
+        anyhow::ensure!(
+            !self.request_timeout.is_zero(),
+            "REQUEST_TIMEOUT must be positive"
+        );
+        anyhow::ensure!(
+            !self.header_read_timeout.is_zero(),
+            "HEADER_READ_TIMEOUT must be positive"
+        );
+        anyhow::ensure!(
+            !self.idle_timeout.is_zero(),
+            "IDLE_TIMEOUT must be positive"
+        );
+        anyhow::ensure!(self.max_connections > 0, "MAX_CONNECTIONS must be positive");
+        anyhow::ensure!(
+            !self.change_retention.is_zero(),
+            "CHANGE_RETENTION must be positive"
+        );
+        // A leader's lock must outlive its query: the watchdog extends the
+        // lock of a live leader only, so a leader that dies mid-query would
+        // otherwise let a second leader load while the first query still runs.
+        anyhow::ensure!(
+            self.database.db_statement_timeout < c.lock_ttl,
+            "DB_STATEMENT_TIMEOUT ({}) must be below LOCK_TTL ({})",
+            humantime::format_duration(self.database.db_statement_timeout),
+            humantime::format_duration(c.lock_ttl)
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,127 @@
+//! The protocol: loads from the source, shared by the leader, the
+//! waiters that pass, the bypass of a failing Redis and the baselines.
+//! Bounded by LOAD_TIMEOUT; an item over MAX_ENTRY_BYTES is served but
+//! never stored.
+
+use std::time::{Duration, Instant};
+
+use super::{answer::Outcome, Answer, Served, Settings, Source};
+use crate::{
+    cache::{Entry, Jitter, Status},
+    redis::RedisError,
+    telemetry::metrics,
+};
+
+/// The source and the bounds of each load.
+pub(super) struct Loader<S: Source> {
+    source: S,
+    cache_ttl: Duration,
+    negative_ttl: Duration,
+    jitter: Jitter,
+    load_timeout: Duration,
+    max_entry_bytes: usize,
+}
+
+impl<S: Source> Loader<S> {
+    pub fn new(source: S, s: &Settings) -> Self {
+        Self {
+            source,
+            cache_ttl: s.cache_ttl,
+            negative_ttl: s.negative_ttl,
+            jitter: s.jitter,
+            load_timeout: s.load_timeout,
+            max_entry_bytes: s.max_entry_bytes,
+        }
+    }
+
+    /// Loads with Redis skipped (it failed, or its breaker is open).
+    pub async fn bypass(&self, key: &S::Key) -> Outcome {
+        tracing::Span::current().record("role", "bypass");
+        Answer::new(self.entry(key).await, Served::Bypass)
+    }
+
+    /// Loads an item a too-large marker names, straight from the source:
+    /// nothing is stored (the marker stays until a change or its expiry).
+    pub async fn pass(&self, key: &S::Key) -> Outcome {
+        tracing::Span::current().record("role", "pass");
+        let entry = self.entry(key).await;
+        let served = self.served_uncached(&entry);
+        Answer::new(entry, served)
+    }
+
+    /// How a loaded entry that is not stored is served: too large, or (it
+    /// shrank, or is gone) a plain bypass.
+    pub fn served_uncached(&self, entry: &Entry) -> Served {
+        if self.too_large(entry) {
+            Served::TooLarge
+        } else {
+            Served::Bypass
+        }
+    }
+
+    /// Whether `entry`'s body is over MAX_ENTRY_BYTES.
+    pub fn too_large(&self, entry: &Entry) -> bool {
+        entry.status() == Status::Found && entry.body().len() > self.max_entry_bytes
+    }
+
+    /// What a leader stores and publishes for what it loaded: the entry
+    /// itself, or, for a body over MAX_ENTRY_BYTES, a too-large marker
+    /// (fresh as long as the entry) with the entry kept aside to answer
+    /// this flight.
+    pub fn to_store(&self, loaded: Entry) -> (Entry, Option<Entry>) {
+        if !self.too_large(&loaded) {
+            return (loaded, None);
+        }
+        metrics::too_large();
+        let marker = Entry::stamped(
+            Status::TooLarge,
+            &[],
+            loaded.stored_at(),
+            loaded.fresh_until(),
+            loaded.load_time(),
+        );
+        (marker, Some(loaded))
+    }
+
+    pub async fn fail_open(&self, key: &S::Key, error: RedisError) -> Outcome {
+        tracing::warn!(%error, "redis failed; failing open to the source");
+        self.bypass(key).await
+    }
+
+    /// Loads and builds the entry, fresh for the (jittered) CACHE_TTL or
+    /// NEGATIVE_TTL; a failed load gives a `Failed` entry.
+    pub async fn entry(&self, key: &S::Key) -> Entry {
+        let started = Instant::now();
+        let loaded = tokio::time::timeout(self.load_timeout, self.source.load(key))
+            .await
+            .unwrap_or_else(|_| {
+                Err(anyhow::anyhow!(
+                    "no answer within LOAD_TIMEOUT ({:?})",
+                    self.load_timeout
+                ))
+            });
+        let took = started.elapsed();
+        let took_ms = took.as_secs_f64() * 1e3;
+        tracing::Span::current().record("load_ms", took_ms);
+        let jitter = self.jitter;
+        match loaded {
+            Ok(Some(body)) => {
+                metrics::db_load("found", took);
+                tracing::debug!(%key, took_ms, "loaded");
+                let ttl = jitter.apply(self.cache_ttl);
+                Entry::new(Status::Found, &body, ttl, took)
+            }
+            Ok(None) => {
+                metrics::db_load("not_found", took);
+                tracing::debug!(%key, took_ms, "loaded: not found");
+                let ttl = jitter.apply(self.negative_ttl);
+                Entry::new(Status::NotFound, &[], ttl, took)
+            }
+            Err(error) => {
+                metrics::db_load("failed", took);
+                tracing::warn!(error = format!("{error:#}"), %key, "load failed");
+                Entry::new(Status::Failed, &[], Duration::ZERO, took)
+            }
+        }
+    }
+}

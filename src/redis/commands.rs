@@ -1,0 +1,400 @@
+//! The Redis side: the commands, each bounded by REDIS_TIMEOUT and guarded
+//! by the circuit breaker of the node that serves the key (`nodes.rs`);
+//! the scripts' calls (`scripts/`) go through [`RedisCommands::eval`].
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use fred::{
+    prelude::*,
+    types::{Expiration, SetOptions},
+};
+use tokio_util::task::AbortOnDropHandle;
+
+use super::{
+    breaker::State,
+    error::{error_label, guarded, is_moved, RedisError},
+    nodes::{self, Nodes},
+    scripts::{ms, Call, Scripts},
+};
+use crate::{
+    cache::{Entry, ItemKeys},
+    telemetry::metrics,
+};
+
+/// What PTTL says of a lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockTtl {
+    /// No such key: released or expired.
+    Absent,
+    /// The key has no expiry (set from outside the protocol).
+    NoExpiry,
+    /// It expires after this long.
+    Expires(Duration),
+}
+
+/// What the leader sees before it reads: the stored entry, and the item's
+/// change fence (empty when none), which its finish must find unchanged.
+#[derive(Debug)]
+pub struct Before {
+    pub entry: Option<Entry>,
+    pub fence: String,
+}
+
+/// The command clients plus the bound applied to each command.
+#[derive(Clone)]
+pub struct RedisCommands {
+    /// Where each key's commands go (see `nodes.rs`).
+    nodes: Arc<Nodes>,
+    timeout: Duration,
+    /// A Redis Cluster: publish with SPUBLISH (sharded pub/sub).
+    sharded: bool,
+    scripts: Scripts,
+}
+
+impl RedisCommands {
+    /// The commands of a single Redis.
+    pub fn new(client: Client, timeout: Duration) -> Self {
+        Self::with_nodes(Arc::new(Nodes::single(client)), timeout)
+    }
+
+    pub fn with_nodes(nodes: Arc<Nodes>, timeout: Duration) -> Self {
+        Self {
+            sharded: nodes.default_client().is_clustered(),
+            nodes,
+            timeout,
+            scripts: Scripts::new(),
+        }
+    }
+
+    /// Starts the connections' upkeep (see [`nodes::keep`]): the scripts
+    /// loaded on every new connection and, on a cluster, the nodes following
+    /// the topology while the returned handle lives.
+    #[must_use = "dropping the handle stops following the cluster's topology"]
+    pub fn upkeep(&self) -> Option<AbortOnDropHandle<()>> {
+        nodes::keep(&self.nodes, self.scripts.clone(), self.timeout)
+    }
+
+    /// Whether every circuit breaker in use lets commands through.
+    pub fn breaker_closed(&self) -> bool {
+        self.nodes.state() == State::Closed
+    }
+
+    /// The state of the breaker of `key`'s node, as the metric shows it:
+    /// 0 closed, 1 open, 2 half-open.
+    pub fn breaker_state_of(&self, key: &str) -> u8 {
+        self.nodes.for_key(key).breaker.state() as u8
+    }
+
+    /// Puts the breakers' state in the metrics (before they are rendered).
+    pub fn report_breakers(&self) {
+        self.nodes.report();
+    }
+
+    /// Runs `command` on the client of `key`'s node, under that node's
+    /// breaker and REDIS_TIMEOUT (see [`RedisCommands::redirected`]).
+    async fn bounded<T, Fut>(
+        &self,
+        key: &str,
+        command: impl Fn(Client) -> Fut,
+    ) -> Result<T, RedisError>
+    where
+        Fut: Future<Output = Result<T, fred::error::Error>>,
+    {
+        self.on_node(key, true, command).await
+    }
+
+    /// Runs one command of lock hygiene (finish, release, extend) on the
+    /// client of `key`'s node, under REDIS_TIMEOUT but not the breaker: a
+    /// leader must be able to finish and let go of its lock whatever other
+    /// commands of this process met. The change feed's commands (applying
+    /// a change, the cutoff, the stream) go this way too: the breaker
+    /// guards the reads, and the feed's background work must neither take
+    /// a read's half-open probe nor open the breaker for the reads.
+    pub(super) async fn unrefused<T, Fut>(
+        &self,
+        key: &str,
+        command: impl Fn(Client) -> Fut,
+    ) -> Result<T, RedisError>
+    where
+        Fut: Future<Output = Result<T, fred::error::Error>>,
+    {
+        self.on_node(key, false, command).await
+    }
+
+    async fn on_node<T, Fut>(
+        &self,
+        key: &str,
+        refusable: bool,
+        command: impl Fn(Client) -> Fut,
+    ) -> Result<T, RedisError>
+    where
+        Fut: Future<Output = Result<T, fred::error::Error>>,
+    {
+        let node = self.nodes.for_key(key);
+        // Boxed: the client library's command futures are large (a GET's is
+        // 6.8 KB), and unboxed they would be copied into every future that
+        // awaits them, level by level up to the request's (memmove was the
+        // top user-space cost of a hit in Redis). One allocation instead.
+        let sent = Box::pin(command(node.client.clone()));
+        let result = if refusable {
+            guarded(&node.breaker, self.timeout, sent).await
+        } else {
+            self.timed(sent).await
+        };
+        match result {
+            // Boxed: rare, and it would double the size of every command's future.
+            Err(RedisError::Command(e)) if is_moved(&e) => Box::pin(self.redirected(command)).await,
+            result => result,
+        }
+    }
+
+    /// A node answered MOVED: the key's slot is served elsewhere (a
+    /// resharding, or a failover not seen yet). The topology is re-read in
+    /// the background, and the command goes once more through the cluster
+    /// client, which follows MOVED by itself. (An ASK, for a key already
+    /// moved out of a slot being migrated, is not followed: the client
+    /// library's ASK handling fails after several ASKINGs in version 10.1, so
+    /// such a read fails open until the migration is done.)
+    async fn redirected<T, Fut>(&self, command: impl Fn(Client) -> Fut) -> Result<T, RedisError>
+    where
+        Fut: Future<Output = Result<T, fred::error::Error>>,
+    {
+        self.nodes.moved();
+        self.timed(command(self.nodes.default_client().clone()))
+            .await
+    }
+
+    /// One command under REDIS_TIMEOUT, its failure counted.
+    async fn timed<T>(
+        &self,
+        fut: impl Future<Output = Result<T, fred::error::Error>>,
+    ) -> Result<T, RedisError> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => {
+                metrics::redis_error(error_label(&e));
+                Err(e.into())
+            }
+            Err(_) => {
+                metrics::redis_error("timeout");
+                Err(RedisError::Timeout(self.timeout))
+            }
+        }
+    }
+
+    /// GET a value key and decode it. Bytes that are not an entry count as
+    /// absent: the next store overwrites them.
+    pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
+        let raw: Option<Bytes> = self
+            .bounded(key, |c| async move { c.get(key).await })
+            .await?;
+        Ok(decoded(key, raw))
+    }
+
+    /// The leader's look before its read: the value and the item's fence,
+    /// in one MGET (they share a slot).
+    pub async fn before_load(&self, keys: &ItemKeys) -> Result<Before, RedisError> {
+        let (value, fence) = (keys.value.as_str(), keys.fence.as_str());
+        let (raw, seen): (Option<Bytes>, Option<String>) = self
+            .bounded(value, |c| async move { c.mget(vec![value, fence]).await })
+            .await?;
+        Ok(Before {
+            entry: decoded(value, raw),
+            fence: seen.unwrap_or_default(),
+        })
+    }
+
+    /// SET a value with a TTL (the strategies without a lock).
+    pub async fn store(&self, key: &str, entry: &Entry, ttl: Duration) -> Result<(), RedisError> {
+        let px = ms(ttl).max(1);
+        self.bounded(key, |c| async move {
+            let value = entry.raw().clone();
+            c.set(key, value, Some(Expiration::PX(px)), None, false)
+                .await
+        })
+        .await
+    }
+
+    /// `SET lock token NX PX ttl`: true when this caller now holds the lock.
+    pub async fn try_lock(
+        &self,
+        key: &str,
+        token: &str,
+        ttl: Duration,
+    ) -> Result<bool, RedisError> {
+        let px = ms(ttl).max(1);
+        let reply: Option<String> = self
+            .bounded(key, |c| async move {
+                let nx = Some(SetOptions::NX);
+                c.set(key, token, Some(Expiration::PX(px)), nx, false).await
+            })
+            .await?;
+        metrics::lock_election(reply.is_some());
+        Ok(reply.is_some())
+    }
+
+    /// PTTL of a lock.
+    pub async fn pttl(&self, key: &str) -> Result<LockTtl, RedisError> {
+        let ms: i64 = self
+            .bounded(key, |c| async move { c.pttl(key).await })
+            .await?;
+        Ok(match ms {
+            -2 => LockTtl::Absent,
+            ms if ms < 0 => LockTtl::NoExpiry,
+            ms => LockTtl::Expires(Duration::from_millis(ms as u64)),
+        })
+    }
+
+    /// Runs a script's call (see `scripts/`) on the node of its first key,
+    /// under REDIS_TIMEOUT but not the breaker: the scripts are lock
+    /// hygiene (finish, release, extend, abandon) and the change feed's
+    /// work (apply, cutoff), which must go through whatever the reads met
+    /// (see [`RedisCommands::unrefused`]).
+    pub async fn eval<C: Call>(&self, call: &C) -> Result<C::Reply, RedisError> {
+        let keys = call.keys();
+        let Some(first) = keys.first().copied() else {
+            return Err(RedisError::Reply(call.name()));
+        };
+        let args = call.args();
+        let reply: Value = self
+            .unrefused(first, |c| {
+                let (keys, args) = (keys.clone(), args.clone());
+                async move {
+                    let script = call.script(&self.scripts);
+                    script.evalsha_with_reload(&c, keys, args).await
+                }
+            })
+            .await?;
+        call.reply(reply).ok_or(RedisError::Reply(call.name()))
+    }
+
+    /// A Redis Cluster: scripts publish with SPUBLISH (sharded pub/sub).
+    pub fn sharded(&self) -> bool {
+        self.sharded
+    }
+
+    /// Whether several items' changes can go in one script (a single Redis:
+    /// on a cluster their keys are in different slots).
+    pub fn applies_together(&self) -> bool {
+        !self.sharded
+    }
+
+    /// The cutoff stored at `key` (unix ms; 0 when none). Under
+    /// REDIS_TIMEOUT but not the breaker: it is read every second in the
+    /// background, and must neither take a half-open probe meant for a
+    /// read nor open the breaker for the reads.
+    pub async fn cutoff(&self, key: &str) -> Result<u64, RedisError> {
+        let raw: Option<String> = self
+            .unrefused(key, |c| async move { c.get(key).await })
+            .await?;
+        Ok(raw.and_then(|r| r.parse().ok()).unwrap_or(0))
+    }
+
+    /// XADD of `fields` to the stream at `key`, trimmed to about `max`
+    /// entries. Under REDIS_TIMEOUT but not the breaker: the change feed's
+    /// beats come every half second, and must neither take a half-open
+    /// probe meant for a read nor open the breaker for the reads.
+    pub async fn stream_append(
+        &self,
+        key: &str,
+        max: u64,
+        fields: Vec<(&'static str, String)>,
+    ) -> Result<(), RedisError> {
+        self.unrefused(key, |c| {
+            let fields = fields.clone();
+            async move {
+                c.xadd::<Value, _, _, _, _>(key, false, ("MAXLEN", "~", max as i64), "*", fields)
+                    .await
+                    .map(drop)
+            }
+        })
+        .await
+    }
+
+    /// The change feed's gap marker at `key` (see `Keys::feed_gap`): sets it
+    /// to `why` unless it is set already (the first reason stays). Not
+    /// through the breaker, as the stream.
+    pub async fn mark_gap(&self, key: &str, why: &str) -> Result<(), RedisError> {
+        self.unrefused(key, |c| async move {
+            c.set::<Value, _, _>(key, why, None, Some(SetOptions::NX), false)
+                .await
+                .map(drop)
+        })
+        .await
+    }
+
+    /// The change feed's gap marker at `key`: why the gap, when one is open.
+    pub async fn gap(&self, key: &str) -> Result<Option<String>, RedisError> {
+        self.unrefused(key, |c| async move { c.get(key).await })
+            .await
+    }
+
+    /// Closes the change feed's gap at `key` (the cutoff is raised).
+    pub async fn close_gap(&self, key: &str) -> Result<(), RedisError> {
+        self.unrefused(
+            key,
+            |c| async move { c.del::<Value, _>(key).await.map(drop) },
+        )
+        .await
+    }
+
+    /// A client of its own, with the same settings, not yet connected: for
+    /// a blocking read, which would hold up every command queued behind it
+    /// on a shared connection.
+    pub fn dedicated_client(&self) -> Client {
+        self.nodes.default_client().clone_new()
+    }
+
+    /// GET of a plain string key.
+    pub async fn get_string(&self, key: &str) -> Result<Option<String>, RedisError> {
+        self.bounded(key, |c| async move { c.get(key).await }).await
+    }
+
+    /// SET of a plain string key, without expiry.
+    pub async fn set_string(&self, key: &str, value: &str) -> Result<(), RedisError> {
+        self.bounded(key, |c| async move {
+            c.set(key, value, None, None, false).await
+        })
+        .await
+    }
+
+    /// PING, for readiness (bypasses the breaker: readiness must see the
+    /// truth). On a cluster, each primary through its own client, at once:
+    /// the cluster serves while any of them answers (the slots of one that
+    /// does not fail open, and its breaker says so). Through the cluster
+    /// client it would wait out a failover: that client holds every
+    /// command until all its primaries answer.
+    pub async fn ping(&self) -> Result<(), RedisError> {
+        let ping = |client: Client| async move {
+            match tokio::time::timeout(self.timeout, client.ping::<()>(None)).await {
+                Ok(result) => Ok(result?),
+                Err(_) => Err(RedisError::Timeout(self.timeout)),
+            }
+        };
+        let primaries = self.nodes.primary_clients();
+        if primaries.is_empty() {
+            return ping(self.nodes.default_client().clone()).await;
+        }
+        let mut last = None;
+        for result in futures::future::join_all(primaries.into_iter().map(ping)).await {
+            match result {
+                Ok(()) => return Ok(()),
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(last.expect("at least one primary was asked"))
+    }
+}
+
+/// An entry read from `key`; bytes that are not one count as absent.
+fn decoded(key: &str, raw: Option<Bytes>) -> Option<Entry> {
+    raw.and_then(|raw| match Entry::decode(raw) {
+        Ok(entry) => Some(entry),
+        Err(error) => {
+            metrics::garbage("entry");
+            tracing::warn!(%error, key, "undecodable cache entry, treated as a miss");
+            None
+        }
+    })
+}

@@ -1,0 +1,24 @@
+//! The Redis side of the read path and of the change feed: commands bounded
+//! by REDIS_TIMEOUT (`commands.rs`), routed per key to a node and its
+//! circuit breaker (`nodes.rs`, `breaker.rs`), the Lua scripts with their
+//! typed calls and replies (`scripts/`), the shared subscriber
+//! (`subscriber/`), and what a failure says of the server (`error.rs`).
+//! It knows the entry envelope and the key names (`cache`), and nothing of
+//! the protocol that uses it (`flight`).
+
+mod breaker;
+mod commands;
+mod error;
+mod inspect;
+mod nodes;
+pub mod scripts;
+mod subscriber;
+
+pub use commands::{Before, LockTtl, RedisCommands};
+pub use error::{with_backoff, RedisError, RETRY_FIRST};
+pub use inspect::{snapshot, ItemSnapshot};
+pub use nodes::Nodes;
+pub use scripts::{
+    ApplyFor, ApplyMany, ChangeKind, Finish, Finished, LockOp, OnLock, RaiseCutoff, StoreFor, RETRY,
+};
+pub use subscriber::{Notice, Subscriber, Subscription};

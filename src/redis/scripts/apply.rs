@@ -1,0 +1,316 @@
+//! The Redis side: changes applied to items' keys (the change feed,
+//! `postcache invalidate`), several in one round trip.
+//!
+//! Idempotent: a change already in the item's set of applied changes is
+//! skipped, applied by this instance or another, in whatever order the
+//! changes arrive. Sets the fence to the change, a value no fence had
+//! before, and records the change as applied (both for the fence's
+//! lifetime, while there is a value or a leader to fence). A delete puts a
+//! tombstone (a not-found entry) in place of the value and of the fail-safe
+//! copy, where they exist. Any other change deletes the value, or with
+//! stale-while-revalidate marks a found one stale (fresh until now, kept no
+//! longer than the grace window), and deletes a tombstone copy (the item
+//! exists again).
+//!
+//! One item anywhere (its keys share a slot); several only on a single
+//! Redis (the change feed's decoder: their keys are in different slots).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use fred::{prelude::*, types::scripts::Script};
+
+use super::{layout, table, with_layout, Call, Scripts};
+use crate::cache::{now_millis, Entry, ItemKeys};
+
+layout! {
+    /// Each item's KEYS, in turn.
+    Keys {
+        value,
+        lock,
+        fail_safe,
+        fence,
+        /// The changes applied to the item (a set).
+        applied,
+    }
+}
+
+layout! {
+    /// The ARGV every item shares, first.
+    Shared {
+        /// How long the fence outlives the change, ms.
+        fence_ms,
+        /// The not-found entry a delete leaves.
+        tombstone,
+        /// Its TTL as the value, ms.
+        tombstone_ms,
+        /// Its TTL as the fail-safe copy, ms (0: none).
+        tombstone_copy_ms,
+        /// The stale-while-revalidate window, ms (0: off).
+        grace_ms,
+        /// Now, unix ms, as 8 big-endian bytes (compared with an entry's
+        /// own bytes).
+        now,
+    }
+}
+
+layout! {
+    /// Each item's own ARGV, in turn, after the shared ones.
+    Item {
+        /// The change's id.
+        change,
+        /// `delete` or `change`.
+        kind,
+    }
+}
+
+const APPLY_LUA: &str = include_str!("apply.lua");
+
+/// `apply.lua`'s `apply_one`, then the loop that calls it for each item
+/// with its K and A tables. Returns how many were applied (the others
+/// were already).
+pub(super) fn lua() -> String {
+    let (k, shared, item) = (
+        Keys::<()>::NAMES.len(),
+        Shared::<()>::NAMES.len(),
+        Item::<()>::NAMES.len(),
+    );
+    let keys = table("KEYS", Keys::<()>::NAMES, |i| format!("i*{k}+{}", i + 1));
+    let own = table("ARGV", Item::<()>::NAMES, |i| {
+        format!("{}+i*{item}", shared + i + 1)
+    });
+    let common = table("ARGV", Shared::<()>::NAMES, |i| (i + 1).to_string());
+    // One table of both: {change = ARGV[7+i*2], …, fence_ms = ARGV[1], …}.
+    let args = format!(
+        "{}, {}",
+        own.trim_end_matches('}'),
+        common.trim_start_matches('{')
+    );
+    format!(
+        r#"{body}
+local applied = 0
+for i = 0, (#KEYS / {k}) - 1 do
+  applied = applied + apply_one({keys}, {args})
+end
+return applied
+"#,
+        body = with_layout(APPLY_LUA),
+    )
+}
+
+/// How a change is applied to an item's keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChangeKind {
+    /// The item is gone: tombstones in place of what is kept.
+    Deleted,
+    /// Anything else: what is stored is no longer to be trusted.
+    Changed,
+}
+
+/// The lifetimes the application of a change writes with.
+#[derive(Debug, Clone, Copy)]
+pub struct ApplyFor {
+    /// How long the fence outlives the change.
+    pub fence: Duration,
+    /// The tombstone as the value (NEGATIVE_TTL), and as the fail-safe copy
+    /// (0: none).
+    pub tombstone: Duration,
+    pub tombstone_copy: Duration,
+    /// The stale-while-revalidate window (0: off).
+    pub grace: Duration,
+}
+
+/// Changes to apply, each to its item's keys; how many were applied.
+pub struct ApplyMany<'a> {
+    pub items: &'a [(&'a ItemKeys, i64, ChangeKind)],
+    pub tombstone: &'a Entry,
+    pub lifetimes: ApplyFor,
+}
+
+impl Call for ApplyMany<'_> {
+    type Reply = u64;
+    fn name(&self) -> &'static str {
+        "apply"
+    }
+
+    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
+        &scripts.apply_many
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        let mut keys = Vec::with_capacity(self.items.len() * Keys::<()>::NAMES.len());
+        for (k, ..) in self.items {
+            keys.extend(
+                Keys {
+                    value: k.value.as_str(),
+                    lock: &k.lock,
+                    fail_safe: &k.fail_safe,
+                    fence: &k.fence,
+                    applied: &k.applied,
+                }
+                .into_vec(),
+            );
+        }
+        keys
+    }
+
+    fn args(&self) -> Vec<Value> {
+        let l = self.lifetimes;
+        let mut args = Shared {
+            fence_ms: Value::Integer(super::ms(l.fence).max(1)),
+            tombstone: Value::Bytes(self.tombstone.raw().clone()),
+            tombstone_ms: Value::Integer(super::ms(l.tombstone).max(1)),
+            tombstone_copy_ms: Value::Integer(super::ms(l.tombstone_copy)),
+            grace_ms: Value::Integer(super::ms(l.grace)),
+            now: Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
+        }
+        .into_vec();
+        args.reserve(self.items.len() * Item::<()>::NAMES.len());
+        for (_, change, kind) in self.items {
+            args.extend(
+                Item {
+                    change: Value::Integer(*change),
+                    kind: Value::from(match kind {
+                        ChangeKind::Deleted => "delete",
+                        ChangeKind::Changed => "change",
+                    }),
+                }
+                .into_vec(),
+            );
+        }
+        args
+    }
+
+    fn reply(&self, value: Value) -> Option<u64> {
+        u64::try_from(value.as_i64()?)
+            .ok()
+            .filter(|n| *n <= self.items.len() as u64)
+    }
+}
+
+/// The script on a real Redis, through every reply it gives.
+#[cfg(test)]
+mod contract {
+    use super::*;
+    use crate::{
+        cache::{Keys as Names, Status},
+        redis::scripts::contract::{clean, names_read, redis, run},
+    };
+
+    const MINUTE: Duration = Duration::from_secs(60);
+
+    fn lifetimes(grace: Duration) -> ApplyFor {
+        ApplyFor {
+            fence: MINUTE,
+            tombstone: MINUTE,
+            tombstone_copy: MINUTE,
+            grace,
+        }
+    }
+
+    async fn get(client: &Client, key: &str) -> Option<Entry> {
+        let raw: Option<Bytes> = client.get(key).await.unwrap();
+        raw.map(|raw| Entry::decode(raw).unwrap())
+    }
+
+    #[test]
+    fn the_script_reads_exactly_the_names_the_call_sends() {
+        let lua = lua();
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect();
+        assert_eq!(names_read(&lua, 'K'), names(Keys::<()>::NAMES));
+        let sent: std::collections::BTreeSet<String> = names(Shared::<()>::NAMES)
+            .union(&names(Item::<()>::NAMES))
+            .cloned()
+            .collect();
+        assert_eq!(names_read(&lua, 'A'), sent);
+    }
+
+    #[tokio::test]
+    async fn changes_fence_delete_tombstone_and_are_applied_once() {
+        let (client, prefix) = redis().await;
+        let names = Names::new(&prefix, "post");
+        let (changed, deleted, idle) = (names.item(1), names.item(2), names.item(3));
+        let found = Entry::new(Status::Found, b"old", MINUTE, Duration::ZERO);
+        let tombstone = Entry::new(Status::NotFound, &[], MINUTE, Duration::ZERO);
+        for keys in [&changed, &deleted] {
+            let _: () = client
+                .set(&keys.value, found.raw().clone(), None, None, false)
+                .await
+                .unwrap();
+            let _: () = client
+                .set(&keys.fail_safe, found.raw().clone(), None, None, false)
+                .await
+                .unwrap();
+        }
+        let items = [
+            (&changed, 10, ChangeKind::Changed),
+            (&deleted, 11, ChangeKind::Deleted),
+            // Nothing stored and no leader: nothing to fence.
+            (&idle, 12, ChangeKind::Changed),
+        ];
+        let apply = ApplyMany {
+            items: &items,
+            tombstone: &tombstone,
+            lifetimes: lifetimes(Duration::ZERO),
+        };
+
+        assert_eq!(run(&client, &apply).await, 3);
+
+        assert_eq!(get(&client, &changed.value).await, None);
+        assert_eq!(
+            get(&client, &changed.fail_safe).await.as_ref(),
+            Some(&found)
+        );
+        let fence: Option<String> = client.get(&changed.fence).await.unwrap();
+        assert_eq!(fence.as_deref(), Some("10"));
+        assert_eq!(
+            get(&client, &deleted.value).await.as_ref(),
+            Some(&tombstone)
+        );
+        assert_eq!(
+            get(&client, &deleted.fail_safe).await.as_ref(),
+            Some(&tombstone)
+        );
+        let fence: Option<String> = client.get(&idle.fence).await.unwrap();
+        assert_eq!(fence, None);
+
+        // Seen again (another instance, a replay): skipped, but the
+        // unfenced item's change is applied again (nothing remembered it).
+        assert_eq!(run(&client, &apply).await, 1);
+        clean(&client, &prefix).await;
+    }
+
+    #[tokio::test]
+    async fn with_a_grace_window_a_change_marks_the_value_stale_and_revives_a_tombstone() {
+        let (client, prefix) = redis().await;
+        let keys = Names::new(&prefix, "post").item(4);
+        let found = Entry::new(Status::Found, b"body", MINUTE, Duration::ZERO);
+        let tombstone = Entry::new(Status::NotFound, &[], MINUTE, Duration::ZERO);
+        let _: () = client
+            .set(&keys.value, found.raw().clone(), None, None, false)
+            .await
+            .unwrap();
+        let _: () = client
+            .set(&keys.fail_safe, tombstone.raw().clone(), None, None, false)
+            .await
+            .unwrap();
+        let items = [(&keys, 20, ChangeKind::Changed)];
+        let apply = ApplyMany {
+            items: &items,
+            tombstone: &tombstone,
+            lifetimes: lifetimes(Duration::from_secs(5)),
+        };
+
+        assert_eq!(run(&client, &apply).await, 1);
+
+        let stale = get(&client, &keys.value)
+            .await
+            .expect("kept for the grace window");
+        assert_eq!(stale.body(), found.body());
+        assert!(stale.fresh_until() <= now_millis());
+        let ttl: i64 = client.pttl(&keys.value).await.unwrap();
+        assert!(ttl > 0 && ttl <= 5_000, "{ttl}");
+        assert_eq!(get(&client, &keys.fail_safe).await, None);
+        clean(&client, &prefix).await;
+    }
+}

@@ -1,0 +1,131 @@
+//! The Redis side: the fleet's cutoff (`invalidate --all`, a truncate, a
+//! gap in the change feed), raised once per change and never lowered.
+
+use std::time::Duration;
+
+use fred::{prelude::*, types::scripts::Script};
+
+use super::{layout, prologue, Call, Scripts};
+
+layout! {
+    /// The script's KEYS.
+    Keys {
+        /// The cutoff, unix ms.
+        cutoff,
+        /// The changes that raised it (a set).
+        applied,
+    }
+}
+
+layout! {
+    /// The script's ARGV.
+    Argv {
+        /// The cutoff wanted, unix ms.
+        to,
+        /// The change's id ("" for none).
+        change,
+        /// How long a change is remembered, ms.
+        remember_ms,
+    }
+}
+
+/// Raises the cutoff to `A.to` unless it is higher already, once per
+/// change: a change seen again (another instance, a catch-up replayed)
+/// does not raise it again. Returns the cutoff in force.
+pub(super) fn lua() -> String {
+    prologue(Keys::<()>::NAMES, Argv::<()>::NAMES)
+        + r#"
+local current = tonumber(redis.call('GET', K.cutoff) or '0') or 0
+if A.change ~= '' then
+  if redis.call('SADD', K.applied, A.change) == 0 then
+    return current
+  end
+  redis.call('PEXPIRE', K.applied, A.remember_ms)
+end
+local wanted = tonumber(A.to)
+if wanted > current then
+  redis.call('SET', K.cutoff, A.to)
+  return wanted
+end
+return current
+"#
+}
+
+/// Raises the cutoff at `cutoff` to `to` (never lowers it), once per
+/// `change` (remembered in `applied` for `remember`); the one in force.
+pub struct RaiseCutoff<'a> {
+    pub cutoff: &'a str,
+    pub applied: &'a str,
+    pub to: u64,
+    pub change: Option<i64>,
+    pub remember: Duration,
+}
+
+impl Call for RaiseCutoff<'_> {
+    type Reply = u64;
+    fn name(&self) -> &'static str {
+        "raise_cutoff"
+    }
+
+    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
+        &scripts.raise_cutoff
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        Keys {
+            cutoff: self.cutoff,
+            applied: self.applied,
+        }
+        .into_vec()
+    }
+
+    fn args(&self) -> Vec<Value> {
+        Argv {
+            to: Value::Integer(self.to as i64),
+            change: self.change.map_or(Value::from(""), Value::Integer),
+            remember_ms: Value::Integer(super::ms(self.remember).max(1)),
+        }
+        .into_vec()
+    }
+
+    fn reply(&self, value: Value) -> Option<u64> {
+        u64::try_from(value.as_i64()?).ok()
+    }
+}
+
+/// The script on a real Redis, through every reply it gives.
+#[cfg(test)]
+mod contract {
+    use super::*;
+    use crate::redis::scripts::contract::{clean, names_read, redis, run};
+
+    #[test]
+    fn the_script_reads_exactly_the_names_the_call_sends() {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect();
+        assert_eq!(names_read(&lua(), 'K'), names(Keys::<()>::NAMES));
+        assert_eq!(names_read(&lua(), 'A'), names(Argv::<()>::NAMES));
+    }
+
+    #[tokio::test]
+    async fn the_cutoff_rises_once_per_change_and_never_falls() {
+        let (client, prefix) = redis().await;
+        let (cutoff, applied) = (format!("{prefix}cutoff"), format!("{prefix}applied"));
+        let raise = |to, change| RaiseCutoff {
+            cutoff: &cutoff,
+            applied: &applied,
+            to,
+            change,
+            remember: Duration::from_secs(60),
+        };
+
+        assert_eq!(run(&client, &raise(1_000, Some(1))).await, 1_000);
+        // Lower: the higher one stays.
+        assert_eq!(run(&client, &raise(500, Some(2))).await, 1_000);
+        assert_eq!(run(&client, &raise(2_000, None)).await, 2_000);
+        // Change 1 seen again: not applied again, whatever it asks.
+        assert_eq!(run(&client, &raise(3_000, Some(1))).await, 2_000);
+        let stored: Option<String> = client.get(&cutoff).await.unwrap();
+        assert_eq!(stored.as_deref(), Some("2000"));
+        clean(&client, &prefix).await;
+    }
+}

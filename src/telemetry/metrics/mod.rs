@@ -1,0 +1,268 @@
+//! Telemetry: Prometheus metrics, through the `metrics` facade; one
+//! recording function per event.
+//!
+//! Every name is listed in `names.rs`, with what it counts, so that the
+//! README, the dashboard and the tests name the same series. The recorder is global to the
+//! process (one service per process in production; tests that assert exact
+//! counts run in a test binary of their own).
+
+use std::{sync::OnceLock, time::Duration};
+
+use ::metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+mod names;
+
+use names::describe;
+pub use names::*;
+
+/// Buckets for request, load and wait durations: 0.5 ms to 10 s.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder (once) and returns the handle that renders it.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+                .expect("static, non-empty buckets")
+                .build_recorder();
+            let handle = recorder.handle();
+            // Another recorder may already be installed (a host program): then
+            // this handle renders nothing, which is better than failing.
+            let _ = ::metrics::set_global_recorder(recorder);
+            describe();
+            let _ = REQUEST_SERIES.set(request_series());
+            handle
+        })
+        .clone()
+}
+
+/// The request series of one (outcome, tier), registered once: a hit then
+/// costs no registry lookup.
+struct RequestSeries {
+    outcome: &'static str,
+    tier: &'static str,
+    count: ::metrics::Counter,
+    duration: ::metrics::Histogram,
+}
+
+/// Every (outcome, tier) a request can end with (see `http/served.rs`).
+pub(crate) const REQUEST_LABELS: &[(&str, &str)] = &[
+    ("hit", "memory"),
+    ("negative_hit", "memory"),
+    ("hit", "redis"),
+    ("negative_hit", "redis"),
+    ("stale", "redis"),
+    ("miss", "none"),
+    ("coalesced_local", "none"),
+    ("coalesced_remote", "none"),
+    ("bypass", "none"),
+    ("too_large", "none"),
+    ("error", "none"),
+];
+
+static REQUEST_SERIES: OnceLock<Vec<RequestSeries>> = OnceLock::new();
+
+fn request_series() -> Vec<RequestSeries> {
+    REQUEST_LABELS
+        .iter()
+        .map(|&(outcome, tier)| RequestSeries {
+            outcome,
+            tier,
+            count: counter!(REQUESTS, "outcome" => outcome, "tier" => tier),
+            duration: histogram!(REQUEST_DURATION, "outcome" => outcome, "tier" => tier),
+        })
+        .collect()
+}
+
+/// One answered `GET /posts/{id}`.
+pub fn request(outcome: &'static str, tier: &'static str, took: Duration) {
+    let registered = REQUEST_SERIES
+        .get()
+        .and_then(|all| all.iter().find(|s| s.outcome == outcome && s.tier == tier));
+    match registered {
+        Some(series) => {
+            series.count.increment(1);
+            series.duration.record(took.as_secs_f64());
+        }
+        // Before `install`, or a pair not listed.
+        None => {
+            counter!(REQUESTS, "outcome" => outcome, "tier" => tier).increment(1);
+            histogram!(REQUEST_DURATION, "outcome" => outcome, "tier" => tier)
+                .record(took.as_secs_f64());
+        }
+    }
+}
+
+pub fn memory_tier(serving: bool, bytes: u64, entries: usize) {
+    gauge!(MEMORY_SERVING).set(if serving { 1.0 } else { 0.0 });
+    gauge!(MEMORY_BYTES).set(bytes as f64);
+    gauge!(MEMORY_ENTRIES).set(entries as f64);
+}
+
+pub fn http_error(status: u16) {
+    counter!(HTTP_ERRORS, "status" => status.to_string()).increment(1);
+}
+
+pub fn db_load(result: &'static str, took: Duration) {
+    counter!(DB_LOADS, "result" => result).increment(1);
+    histogram!(DB_LOAD_DURATION).record(took.as_secs_f64());
+}
+
+pub fn lock_election(won: bool) {
+    counter!(LOCK_ELECTIONS, "result" => if won { "won" } else { "lost" }).increment(1);
+}
+
+/// A wait for another's load ended; `ended_by` is `flight::WaitEnd`'s label.
+pub fn wait_ended(ended_by: &'static str, took: Duration) {
+    counter!(WAITS, "ended_by" => ended_by).increment(1);
+    histogram!(WAIT_DURATION).record(took.as_secs_f64());
+}
+
+pub fn redis_error(kind: &'static str) {
+    counter!(REDIS_ERRORS, "kind" => kind).increment(1);
+}
+
+pub fn breaker_state(state: f64) {
+    gauge!(BREAKER_STATE).set(state);
+}
+
+pub fn subscribed_channels(delta: f64) {
+    gauge!(SUBSCRIBED_CHANNELS).increment(delta);
+}
+
+pub fn flights(delta: f64) {
+    gauge!(FLIGHTS).increment(delta);
+}
+
+pub fn reads(delta: f64) {
+    static READS_GAUGE: OnceLock<::metrics::Gauge> = OnceLock::new();
+    // Registered once, after `install` (before it, each call looks it up).
+    match READS_GAUGE.get() {
+        Some(gauge) => gauge.increment(delta),
+        None if HANDLE.get().is_some() => {
+            READS_GAUGE.get_or_init(|| gauge!(READS)).increment(delta)
+        }
+        None => gauge!(READS).increment(delta),
+    }
+}
+
+pub fn garbage(kind: &'static str) {
+    counter!(GARBAGE, "kind" => kind).increment(1);
+}
+
+pub fn refresh(result: &'static str) {
+    counter!(REFRESHES, "result" => result).increment(1);
+}
+
+pub fn too_large() {
+    counter!(TOO_LARGE).increment(1);
+}
+
+pub fn flight_panicked() {
+    counter!(FLIGHT_PANICS).increment(1);
+}
+
+pub fn lock_abandoned() {
+    counter!(LOCKS_ABANDONED).increment(1);
+}
+
+pub fn change_skipped(why: &'static str) {
+    counter!(CHANGES_SKIPPED, "why" => why).increment(1);
+}
+
+pub fn fenced() {
+    counter!(FENCED).increment(1);
+}
+
+pub fn feed_up(up: bool) {
+    gauge!(FEED_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+pub fn change_applied(op: &'static str, lag: Duration) {
+    counter!(CHANGES_APPLIED, "op" => op).increment(1);
+    histogram!(CHANGE_LAG).record(lag.as_secs_f64());
+}
+
+/// Whether this instance holds the replication slot (decodes for the fleet).
+pub fn decoder_held(held: bool) {
+    gauge!(DECODER_HELD).set(if held { 1.0 } else { 0.0 });
+}
+
+/// A gap in the change feed (the slot missing or invalidated), closed by a
+/// raise of the cutoff.
+pub fn feed_gap(why: &'static str) {
+    counter!(FEED_GAPS, "why" => why).increment(1);
+}
+
+/// How far the replication slot is behind the server's WAL, in bytes.
+pub fn feed_lag_bytes(bytes: u64) {
+    gauge!(FEED_LAG_BYTES).set(bytes as f64);
+}
+
+/// How long since the fleet's decoder last said it keeps up.
+pub fn feed_lag_seconds(seconds: f64) {
+    gauge!(FEED_LAG_SECONDS).set(seconds);
+}
+
+/// The change feed's task ended (a panic) and was started again.
+pub fn feed_restarted() {
+    counter!(FEED_RESTARTS).increment(1);
+}
+
+pub fn feed_reconnected() {
+    counter!(FEED_RECONNECTS).increment(1);
+}
+
+pub fn connections_open(delta: f64) {
+    gauge!(CONNECTIONS_OPEN).increment(delta);
+}
+
+pub fn connection_refused() {
+    counter!(CONNECTIONS_REFUSED).increment(1);
+}
+
+pub fn connection_timed_out(timeout: &'static str) {
+    counter!(CONNECTIONS_TIMED_OUT, "timeout" => timeout).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The provisioned dashboard is valid JSON and every query names metrics
+    /// that this service exports.
+    #[test]
+    fn the_dashboard_queries_only_metrics_that_exist() {
+        let raw = include_str!("../../../deploy/grafana/dashboards/postcache.json");
+        let dashboard: serde_json::Value = serde_json::from_str(raw).expect("valid JSON");
+        let panels = dashboard["panels"].as_array().expect("panels");
+        assert!(panels.len() >= 5);
+        let mut queries = 0;
+        for panel in panels {
+            for target in panel["targets"].as_array().expect("targets") {
+                let expr = target["expr"].as_str().expect("an expr");
+                queries += 1;
+                let mut named = 0;
+                for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                    if !word.starts_with("postcache_") {
+                        continue;
+                    }
+                    named += 1;
+                    let base = ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|s| word.strip_suffix(s))
+                        .unwrap_or(word);
+                    assert!(ALL.contains(&base), "{word} in {expr:?} is not exported");
+                }
+                assert!(named > 0, "{expr:?} names no postcache metric");
+            }
+        }
+        assert!(queries >= 10);
+    }
+}
