@@ -1,6 +1,6 @@
 //! PostgreSQL: the pool, database creation and the embedded migrations.
 
-use std::str::FromStr;
+use std::{str::FromStr, time::Duration};
 
 use anyhow::Context;
 use sqlx::{
@@ -56,6 +56,16 @@ pub fn connect_feed(settings: &DatabaseSettings, connections: u32) -> anyhow::Re
     Ok(PgPoolOptions::new()
         .max_connections(connections)
         .acquire_timeout(settings.db_acquire_timeout)
+        .connect_lazy_with(options))
+}
+
+/// The pool of the readiness probe (not the loads'): one connection, named
+/// `postcache-readiness`, given up on after `timeout`.
+pub fn connect_probe(settings: &DatabaseSettings, timeout: Duration) -> anyhow::Result<PgPool> {
+    let options = connect_options(settings)?.application_name("postcache-readiness");
+    Ok(PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(timeout)
         .connect_lazy_with(options))
 }
 

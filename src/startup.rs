@@ -48,6 +48,8 @@ const LISTEN_BACKLOG: u32 = 4096;
 /// A built, bound, not yet running service.
 pub struct Application {
     listener: TcpListener,
+    /// ADMIN_ADDR's listener, when set.
+    admin: Option<TcpListener>,
     endpoint: http::Endpoint,
     connections: ConnectionLimits,
     state: AppState,
@@ -132,9 +134,14 @@ impl Application {
         )
         .await?;
         let caching = http::CachingHeaders::new(read_path.settings().stale_while_revalidate);
+        let probe = http::Probe::new(
+            db::connect_probe(&args.database, http::PROBE_TIMEOUT)?,
+            read_path.redis().clone(),
+        );
         let state = AppState::new(http::Shared {
             read_path,
             db: pool,
+            probe,
             metrics,
             feed: feed.status(),
             caching,
@@ -145,6 +152,12 @@ impl Application {
         };
         let listener = bind(args.listen_addr)
             .with_context(|| format!("failed to bind {}", args.listen_addr))?;
+        let admin = match args.admin_addr.0 {
+            Some(addr) => {
+                Some(bind(addr).with_context(|| format!("failed to bind ADMIN_ADDR {addr}"))?)
+            }
+            None => None,
+        };
         let connections = ConnectionLimits {
             header_read_timeout: args.header_read_timeout,
             idle_timeout: args.idle_timeout,
@@ -157,6 +170,7 @@ impl Application {
             endpoint: http::Endpoint::new(state.clone(), limits),
             connections,
             listener,
+            admin,
             state,
             redis,
             subscriber,
@@ -173,6 +187,12 @@ impl Application {
             .expect("a bound listener has an address")
     }
 
+    /// ADMIN_ADDR's bound address, when set.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        let admin = self.admin.as_ref()?;
+        Some(admin.local_addr().expect("a bound listener has an address"))
+    }
+
     pub fn state(&self) -> &AppState {
         &self.state
     }
@@ -183,7 +203,27 @@ impl Application {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         tracing::info!(addr = %self.local_addr(), "listening");
+        let (stop_admin, admin_stopped) = tokio::sync::watch::channel(false);
+        let admin = self.admin.map(|listener| {
+            tracing::info!(addr = ?listener.local_addr().ok(), "admin listening (/metrics, /readyz)");
+            let mut stopped = admin_stopped.clone();
+            let app = http::admin_app(self.state.clone());
+            tokio::spawn(async move {
+                let until = async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                };
+                if let Err(error) = axum::serve(listener, app).with_graceful_shutdown(until).await {
+                    tracing::warn!(%error, "the admin listener failed");
+                }
+            })
+        });
         http::serve(self.listener, self.endpoint, self.connections, shutdown).await;
+        stop_admin.send_replace(true);
+        if let Some(admin) = admin {
+            if tokio::time::timeout(QUIT_LIMIT, admin).await.is_err() {
+                tracing::warn!("admin connections still open at shutdown; closing anyway");
+            }
+        }
         tracing::info!("stopped accepting; finishing flights and refreshes");
         if !self.state.read_path.drain(DRAIN_LIMIT).await {
             tracing::warn!("flights still running at shutdown; their locks expire by themselves");
@@ -199,10 +239,11 @@ impl Application {
         if tokio::time::timeout(QUIT_LIMIT, quit).await.is_err() {
             tracing::warn!("redis did not answer QUIT; closing anyway");
         }
-        if tokio::time::timeout(QUIT_LIMIT, self.state.db.close())
-            .await
-            .is_err()
-        {
+        let close = async {
+            self.state.db.close().await;
+            self.state.probe.close().await;
+        };
+        if tokio::time::timeout(QUIT_LIMIT, close).await.is_err() {
             tracing::warn!("postgres connections did not close in time; exiting anyway");
         }
         Ok(())

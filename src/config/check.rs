@@ -4,11 +4,22 @@
 
 use std::time::Duration;
 
-use super::{CacheSettings, DatabaseSettings, ServeArgs};
+use super::{CacheSettings, DatabaseSettings, OptionalAddr, ServeArgs};
 
 /// Parses `250ms`, `5s`, `2m` (any humantime duration).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s.trim()).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+/// An address, or nothing for an empty value (a setting that is off).
+pub(super) fn parse_optional_addr(s: &str) -> Result<OptionalAddr, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Ok(OptionalAddr(None));
+    }
+    s.parse()
+        .map(|addr| OptionalAddr(Some(addr)))
+        .map_err(|e| format!("invalid address {s:?}: {e}"))
 }
 
 pub(super) fn parse_beta(s: &str) -> Result<f64, String> {

@@ -9,10 +9,14 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod check;
 
-use check::{parse_beta, parse_jitter};
+use check::{parse_beta, parse_jitter, parse_optional_addr};
 pub use check::{parse_duration, MAX_COUNT, MAX_DURATION, MAX_ENTRY_BYTES_LIMIT};
 
 pub use crate::{flight::Strategy, telemetry::LogFormat};
+
+/// A listen address that may be empty (off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionalAddr(pub Option<SocketAddr>);
 
 /// postcache: serves posts from Redis in front of PostgreSQL, one load per key for the whole fleet.
 #[derive(Debug, Parser)]
@@ -130,6 +134,11 @@ pub struct ServeArgs {
     /// HTTP listen address; port 0 picks a free port (the chosen address is logged).
     #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
     pub listen_addr: SocketAddr,
+
+    /// A second listen address serving only `/metrics` and `/readyz` (for
+    /// monitoring off the public port); empty: off.
+    #[arg(long, env = "ADMIN_ADDR", default_value = "", value_parser = parse_optional_addr)]
+    pub admin_addr: OptionalAddr,
 
     /// Do not apply pending migrations at start.
     #[arg(long, env = "NO_MIGRATE")]

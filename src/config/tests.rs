@@ -143,3 +143,13 @@ fn a_statement_timeout_not_below_the_lock_ttl_is_refused() {
     );
     assert!(parse("10s", "5s").is_err());
 }
+
+#[test]
+fn an_empty_admin_addr_is_off_and_a_bad_one_is_refused() {
+    assert_eq!(parse_optional_addr(""), Ok(OptionalAddr(None)));
+    assert_eq!(
+        parse_optional_addr("127.0.0.1:9090"),
+        Ok(OptionalAddr(Some("127.0.0.1:9090".parse().unwrap())))
+    );
+    assert!(parse_optional_addr("localhost").is_err());
+}

@@ -72,7 +72,16 @@ pub enum ReadError {
     /// WAIT_TIMEOUT passed while waiting for another's load.
     #[error("timed out waiting for the load")]
     Timeout,
+    /// No connection to the source was free in time (see [`super::Busy`]).
+    #[error("the source is busy")]
+    Busy,
 }
 
 /// What one flight ended with, as its owner sees it; shared by its joiners.
 pub(super) type Outcome = Result<Answer, ReadError>;
+
+impl From<super::Busy> for ReadError {
+    fn from(_: super::Busy) -> Self {
+        ReadError::Busy
+    }
+}

@@ -13,7 +13,7 @@ use tokio_util::task::TaskTracker;
 use super::{
     answer::Outcome,
     freshness::{judge, store_for, Lifetimes, Verdict},
-    Answer, ReadPath, Served, Source,
+    Answer, Busy, ReadError, ReadPath, Served, Source,
 };
 use crate::{
     cache::{now_millis, Entry, ItemKeys, Status},
@@ -160,8 +160,30 @@ impl<'a, S: Source> Leader<'a, S> {
             Ok(fence) => fence,
             Err(done) => return self.release(done).await,
         };
-        let loaded = self.load().await;
-        self.finish(loaded, fence).await
+        match self.load().await {
+            Ok(loaded) => self.finish(loaded, fence).await,
+            Err(Busy) => self.let_go().await,
+        }
+    }
+
+    /// No connection to the source was free: nothing is stored (the key did
+    /// not fail), and the lock is let go at once with `retry` published, so
+    /// that a waiter elsewhere, with capacity, leads now.
+    async fn let_go(self) -> Led {
+        let abandon = OnLock {
+            lock: &self.keys.lock,
+            token: self.token,
+            op: LockOp::Abandon {
+                channel: &self.keys.channel,
+                sharded: self.path.redis.sharded(),
+            },
+        };
+        match self.path.redis.eval(&abandon).await {
+            Ok(_) => self.held.handed_over(),
+            // Dropped while held: let go in the background.
+            Err(error) => tracing::warn!(%error, "failed to let go of the lock; retrying"),
+        }
+        Led::Done(Err(ReadError::Busy))
     }
 
     /// The previous leader may have finished between our first GET and our
@@ -211,7 +233,7 @@ impl<'a, S: Source> Leader<'a, S> {
     /// Loads while a watchdog extends the lock every third of LOCK_TTL, so a
     /// slow but live leader is not taken over; a dead one stops extending and
     /// its lock expires after LOCK_TTL.
-    async fn load(&self) -> Entry {
+    async fn load(&self) -> Result<Entry, Busy> {
         let path = self.path;
         let load = path.loader.entry(self.key);
         tokio::pin!(load);

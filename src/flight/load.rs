@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{answer::Outcome, Answer, Served, Settings, Source};
+use super::{answer::Outcome, Answer, Busy, Served, Settings, Source};
 use crate::{
     cache::{Entry, Jitter, Status},
     redis::RedisError,
@@ -37,14 +37,14 @@ impl<S: Source> Loader<S> {
     /// Loads with Redis skipped (it failed, or its breaker is open).
     pub async fn bypass(&self, key: &S::Key) -> Outcome {
         tracing::Span::current().record("role", "bypass");
-        Answer::new(self.entry(key).await, Served::Bypass)
+        Answer::new(self.entry(key).await?, Served::Bypass)
     }
 
     /// Loads an item a too-large marker names, straight from the source:
     /// nothing is stored (the marker stays until a change or its expiry).
     pub async fn pass(&self, key: &S::Key) -> Outcome {
         tracing::Span::current().record("role", "pass");
-        let entry = self.entry(key).await;
+        let entry = self.entry(key).await?;
         let served = self.served_uncached(&entry);
         Answer::new(entry, served)
     }
@@ -89,8 +89,9 @@ impl<S: Source> Loader<S> {
     }
 
     /// Loads and builds the entry, fresh for the (jittered) CACHE_TTL or
-    /// NEGATIVE_TTL; a failed load gives a `Failed` entry.
-    pub async fn entry(&self, key: &S::Key) -> Entry {
+    /// NEGATIVE_TTL; a failed load gives a `Failed` entry, a load the source
+    /// had no capacity for [`Busy`] (counted as shed).
+    pub async fn entry(&self, key: &S::Key) -> Result<Entry, Busy> {
         let started = Instant::now();
         let loaded = tokio::time::timeout(self.load_timeout, self.source.load(key))
             .await
@@ -104,7 +105,7 @@ impl<S: Source> Loader<S> {
         let took_ms = took.as_secs_f64() * 1e3;
         tracing::Span::current().record("load_ms", took_ms);
         let jitter = self.jitter;
-        match loaded {
+        Ok(match loaded {
             Ok(Some(body)) => {
                 metrics::db_load("found", took);
                 tracing::debug!(%key, took_ms, "loaded");
@@ -117,11 +118,16 @@ impl<S: Source> Loader<S> {
                 let ttl = jitter.apply(self.negative_ttl);
                 Entry::new(Status::NotFound, &[], ttl, took)
             }
+            Err(error) if error.is::<Busy>() => {
+                metrics::shed("db_pool");
+                tracing::debug!(%key, took_ms, "no connection free in time: shed");
+                return Err(Busy);
+            }
             Err(error) => {
                 metrics::db_load("failed", took);
                 tracing::warn!(error = format!("{error:#}"), %key, "load failed");
                 Entry::new(Status::Failed, &[], Duration::ZERO, took)
             }
-        }
+        })
     }
 }

@@ -91,6 +91,16 @@ use crate::{
 /// Why a load failed; logged by the read path, never shown to clients.
 pub type LoadError = anyhow::Error;
 
+/// A load refused for want of capacity (every connection to the source
+/// taken, none free in time): the key did not fail, this instance was
+/// busy. A [`Source`] returns it inside its [`LoadError`]; nothing is then
+/// stored for the key (no failure marker), the leader lets go of its lock
+/// at once for another instance to take, and the request is answered 503
+/// with Retry-After.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("no connection to the source was free in time")]
+pub struct Busy;
+
 /// What the read path loads on a miss.
 pub trait Source: Send + Sync + 'static {
     /// What identifies an item; its `Display` form goes inside the hash tag.

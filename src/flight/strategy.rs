@@ -91,7 +91,7 @@ impl<S: Source> ReadPath<S> {
             // Every request reads the source.
             Strategy::None => {
                 tracing::Span::current().record("role", "direct");
-                Answer::new(self.loader.entry(&key).await, Served::Bypass)
+                Answer::new(self.loader.entry(&key).await?, Served::Bypass)
             }
             // Cache-aside, every miss loads.
             Strategy::Naive => match self.baseline_look_up(&key).await {
@@ -147,7 +147,7 @@ impl<S: Source> ReadPath<S> {
         if !redis_up {
             return self.loader.bypass(key).await;
         }
-        let entry = self.loader.entry(key).await;
+        let entry = self.loader.entry(key).await?;
         if self.loader.too_large(&entry) {
             return Answer::new(entry, Served::TooLarge);
         }

@@ -45,6 +45,8 @@ pub enum ApiError {
     TooManyConnections,
     #[error("the request took too long")]
     RequestTimeout,
+    #[error("no database connection was free in time, try again")]
+    Busy,
 }
 
 impl ApiError {
@@ -56,7 +58,8 @@ impl ApiError {
             ApiError::Unavailable
             | ApiError::Overloaded
             | ApiError::TooManyConnections
-            | ApiError::RequestTimeout => StatusCode::SERVICE_UNAVAILABLE,
+            | ApiError::RequestTimeout
+            | ApiError::Busy => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::WaitTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -67,6 +70,7 @@ impl From<ReadError> for ApiError {
         match e {
             ReadError::Unavailable => ApiError::Unavailable,
             ReadError::Timeout => ApiError::WaitTimeout,
+            ReadError::Busy => ApiError::Busy,
         }
     }
 }
@@ -80,10 +84,19 @@ impl IntoResponse for ApiError {
             }),
         )
             .into_response();
-        if let ApiError::MethodNotAllowed = self {
-            response
-                .headers_mut()
-                .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        match self {
+            ApiError::MethodNotAllowed => {
+                response
+                    .headers_mut()
+                    .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+            }
+            // Busy for a moment: the connections free up as loads end.
+            ApiError::Busy => {
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
         }
         response
     }

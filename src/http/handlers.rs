@@ -1,6 +1,6 @@
 //! HTTP: request handlers.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::{
     extract::{rejection::PathRejection, FromRequestParts, Path, State},
@@ -24,9 +24,6 @@ use crate::{
     posts::{Post, PostId},
     telemetry::metrics,
 };
-
-/// Bound on each readiness probe.
-const READINESS_TIMEOUT: Duration = Duration::from_secs(1);
 
 const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
 const X_CACHE_TIER: HeaderName = HeaderName::from_static("x-cache-tier");
@@ -112,7 +109,8 @@ pub fn post_read<B>(request: &Request<B>) -> Option<PostId> {
         (status = 304, description = "Not modified: the post's ETag is among If-None-Match's"),
         (status = 400, description = "Invalid id (also `GET /posts/`, an empty id)", body = ErrorBody),
         (status = 404, description = "No such post (cached as such for NEGATIVE_TTL)", body = ErrorBody),
-        (status = 503, description = "The backend failed (PostgreSQL, with no fail-safe copy), or overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS), or past REQUEST_TIMEOUT", body = ErrorBody),
+        (status = 503, description = "The backend failed (PostgreSQL, with no fail-safe copy), or overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS, or no database connection free within DB_ACQUIRE_TIMEOUT: then with Retry-After), or past REQUEST_TIMEOUT", body = ErrorBody,
+         headers(("Retry-After" = Option<String>, description = "Seconds to wait, when no database connection was free in time"))),
         (status = 504, description = "Waited WAIT_TIMEOUT for another request's load", body = ErrorBody),
     )
 )]
@@ -305,15 +303,8 @@ pub struct Readiness {
     )
 )]
 pub async fn readyz(State(state): State<AppState>) -> Response {
-    let postgres = tokio::time::timeout(
-        READINESS_TIMEOUT,
-        sqlx::query("select 1").execute(&state.db),
-    )
-    .await;
-    let postgres_up = matches!(postgres, Ok(Ok(_)));
-    let redis_up = tokio::time::timeout(READINESS_TIMEOUT, state.read_path.redis().ping())
-        .await
-        .is_ok_and(|r| r.is_ok());
+    let seen = state.probe.seen().await;
+    let (postgres_up, redis_up) = (seen.postgres, seen.redis);
     let word = |up: bool| if up { "up" } else { "down" };
     let status = if postgres_up && redis_up {
         StatusCode::OK

@@ -6,6 +6,7 @@ mod caching;
 mod error;
 mod handlers;
 pub mod openapi;
+mod probe;
 mod served;
 mod server;
 
@@ -31,6 +32,7 @@ pub use crate::posts::{InvalidId, PostId};
 pub use caching::CachingHeaders;
 pub use error::ApiError;
 pub use handlers::etag;
+pub use probe::{Probe, PROBE_TIMEOUT};
 pub use server::{connection_cap, serve, ConnectionLimits};
 
 use crate::{changes::FeedStatus, flight::ReadPath, posts::PostStore, telemetry::metrics};
@@ -56,7 +58,10 @@ impl std::ops::Deref for AppState {
 /// The parts of [`AppState`].
 pub struct Shared {
     pub read_path: Arc<ReadPath<PostStore>>,
+    /// The loads' pool (closed at shutdown; `/readyz` never takes from it).
     pub db: sqlx::PgPool,
+    /// What `/readyz` says of PostgreSQL and Redis, off the load path.
+    pub probe: Probe,
     pub metrics: PrometheusHandle,
     /// Whether the change feed is up (for `/readyz`).
     pub feed: FeedStatus,
@@ -117,6 +122,7 @@ impl Endpoint {
             return Either::Left(ready(Ok(counted(response))));
         }
         let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
+            metrics::shed("in_flight");
             return Either::Left(ready(Ok(counted(ApiError::Overloaded.into_response()))));
         };
         let answer = match handlers::post_read(&request) {
@@ -165,6 +171,17 @@ pub fn app(state: AppState) -> Router {
     router
         // `/posts/` (an empty id) is a bad id, not an unknown route.
         .route("/posts/", get(handlers::empty_id))
+        .fallback(handlers::not_found)
+        .method_not_allowed_fallback(handlers::method_not_allowed)
+        .with_state(state)
+}
+
+/// The admin routes (ADMIN_ADDR): `/readyz` and `/metrics` only, without
+/// the bounds of the public endpoint (a monitoring port is not the load's).
+pub fn admin_app(state: AppState) -> Router {
+    Router::new()
+        .route("/readyz", get(handlers::readyz))
+        .route("/metrics", get(handlers::metrics))
         .fallback(handlers::not_found)
         .method_not_allowed_fallback(handlers::method_not_allowed)
         .with_state(state)

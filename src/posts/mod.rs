@@ -95,8 +95,13 @@ impl crate::flight::Source for PostStore {
     type Key = i64;
 
     async fn load(&self, id: &i64) -> Result<Option<bytes::Bytes>, crate::flight::LoadError> {
-        let Some(post) = self.find(*id).await? else {
-            return Ok(None);
+        let post = match self.find(*id).await {
+            Ok(Some(post)) => post,
+            Ok(None) => return Ok(None),
+            // Every connection taken for DB_ACQUIRE_TIMEOUT: this instance
+            // is busy, the post did not fail.
+            Err(sqlx::Error::PoolTimedOut) => return Err(crate::flight::Busy.into()),
+            Err(error) => return Err(error.into()),
         };
         Ok(Some(serde_json::to_vec(&post)?.into()))
     }

@@ -11,6 +11,7 @@ mod faults;
 mod freshness;
 mod guarantees;
 mod harness;
+mod load_path;
 mod memory;
 mod not_serving;
 mod odd_rows;

@@ -227,6 +227,11 @@ pub fn connection_refused() {
     counter!(CONNECTIONS_REFUSED).increment(1);
 }
 
+/// A request refused for want of capacity (`db_pool`, `in_flight`).
+pub fn shed(reason: &'static str) {
+    counter!(SHED, "reason" => reason).increment(1);
+}
+
 pub fn connection_timed_out(timeout: &'static str) {
     counter!(CONNECTIONS_TIMED_OUT, "timeout" => timeout).increment(1);
 }

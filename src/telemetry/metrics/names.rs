@@ -86,6 +86,10 @@ pub const CONNECTIONS_OPEN: &str = "postcache_connections_open";
 pub const CONNECTIONS_REFUSED: &str = "postcache_connections_refused_total";
 /// Connections closed by a deadline, by timeout: header_read, idle.
 pub const CONNECTIONS_TIMED_OUT: &str = "postcache_connections_timed_out_total";
+/// Requests answered 503 at once for want of capacity, by reason: `db_pool`
+/// (no database connection free within DB_ACQUIRE_TIMEOUT; nothing stored
+/// for the key), `in_flight` (MAX_IN_FLIGHT).
+pub const SHED: &str = "postcache_shed_total";
 
 /// Every metric name, for checks that dashboards name only what exists.
 pub const ALL: &[&str] = &[
@@ -110,6 +114,7 @@ pub const ALL: &[&str] = &[
     CONNECTIONS_OPEN,
     CONNECTIONS_REFUSED,
     CONNECTIONS_TIMED_OUT,
+    SHED,
     FENCED,
     FEED_UP,
     CHANGES_APPLIED,
@@ -232,5 +237,9 @@ pub(super) fn describe() {
     describe_counter!(
         CONNECTIONS_TIMED_OUT,
         "Connections closed by HEADER_READ_TIMEOUT or IDLE_TIMEOUT, by timeout."
+    );
+    describe_counter!(
+        SHED,
+        "Requests answered 503 at once for want of capacity, by reason."
     );
 }
