@@ -36,6 +36,11 @@ impl PostStore {
         &self.pool
     }
 
+    /// Whether every connection the pool may open is open and in use.
+    fn exhausted(&self) -> bool {
+        self.pool.size() >= self.pool.options().get_max_connections() && self.pool.num_idle() == 0
+    }
+
     /// The post with this id, if any. One indexed query.
     pub async fn find(&self, id: i64) -> Result<Option<Post>, sqlx::Error> {
         sqlx::query_as::<_, Post>(
@@ -98,9 +103,13 @@ impl crate::flight::Source for PostStore {
         let post = match self.find(*id).await {
             Ok(Some(post)) => post,
             Ok(None) => return Ok(None),
-            // Every connection taken for DB_ACQUIRE_TIMEOUT: this instance
-            // is busy, the post did not fail.
-            Err(sqlx::Error::PoolTimedOut) => return Err(crate::flight::Busy.into()),
+            // Every connection open and taken for DB_ACQUIRE_TIMEOUT: this
+            // instance is busy, the post did not fail. (A pool that timed
+            // out with room left could not connect: PostgreSQL is down or
+            // unreachable, a failure like any other.)
+            Err(sqlx::Error::PoolTimedOut) if self.exhausted() => {
+                return Err(crate::flight::Busy.into())
+            }
             Err(error) => return Err(error.into()),
         };
         Ok(Some(serde_json::to_vec(&post)?.into()))

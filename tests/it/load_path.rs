@@ -210,3 +210,36 @@ async fn admin_addr_serves_readyz_and_metrics_and_nothing_else() {
     );
     assert_eq!(app.get("/posts/1").await.status, 200);
 }
+
+/// A pool that times out because it cannot connect (PostgreSQL down or
+/// unreachable) is a failure, not a busy instance: the failure is
+/// remembered for FAILURE_TTL (and a fail-safe copy, where one exists,
+/// served), without Retry-After.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_that_cannot_be_reached_is_a_failure_not_busy() {
+    let env = TestEnv::new(1).await;
+    let closed = free_port();
+    let app = env
+        .spawn(&[
+            "--database-url",
+            &format!("postgres://postgres@127.0.0.1:{closed}/x"),
+            "--db-acquire-timeout",
+            "300ms",
+            "--failure-ttl",
+            "30s",
+            "--change-feed",
+            "off",
+        ])
+        .await;
+
+    let reply = app.get("/posts/1").await;
+    let stored = env.stored(1).await;
+
+    assert_eq!(reply.status, 503, "{}", reply.text());
+    assert!(reply.headers.get("retry-after").is_none());
+    assert_eq!(
+        stored.map(|e| e.status()),
+        Some(postcache::cache::Status::Failed),
+        "the failure is remembered"
+    );
+}
