@@ -202,10 +202,11 @@ impl<'a, S: Source> Flight<'a, S> {
                 super::Answer::new(entry, served)
             }
             End::TimedOut => Err(ReadError::Timeout),
-            End::FailOpen => {
-                let error = self.failure.expect("a failure makes the flight fail open");
-                loader.fail_open(self.key, error).await
-            }
+            // The failure is always kept by `failed` before it ends here.
+            End::FailOpen => match self.failure {
+                Some(error) => loader.fail_open(self.key, error).await,
+                None => loader.bypass(self.key).await,
+            },
         }
     }
 }

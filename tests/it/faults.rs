@@ -228,37 +228,6 @@ async fn with_postgres_cut_requests_get_503_fast_and_recover_without_a_restart()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_exhausted_pool_answers_503_after_the_acquire_timeout() {
-    let env = TestEnv::new(10).await;
-    let app = env
-        .spawn(&[
-            "--db-max-connections",
-            "1",
-            "--db-acquire-timeout",
-            "200ms",
-            "--failure-ttl",
-            "0s",
-            "--db-statement-timeout",
-            "5s",
-            "--lock-ttl",
-            "10s",
-        ])
-        .await;
-    let lock = TableLock::take(&env).await;
-    let holder = app.http.spawn_get("/posts/1");
-    env.until_held(std::slice::from_ref(&app), 1).await;
-
-    let others = statuses(&app, 2..=4).await;
-    lock.release().await;
-
-    assert_eq!(holder.await.unwrap().0.status, 200);
-    for (status, _, took) in &others {
-        assert_eq!(*status, 503);
-        assert!(*took < Duration::from_millis(800), "{others:?}");
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn past_the_concurrency_limit_requests_get_a_fast_503() {
     let env = TestEnv::new(10).await;
     let app = env

@@ -125,6 +125,8 @@ async fn readyz_probes_at_most_once_a_second() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pool_with_no_connection_free_sheds_with_retry_after_and_marks_nothing() {
+    // (Was faults::an_exhausted_pool_answers_503_after_the_acquire_timeout,
+    // with its assertions, and FAILURE_TTL on to show that no marker is left.)
     let env = TestEnv::new(10).await;
     let app = env
         .spawn(&[
@@ -149,7 +151,9 @@ async fn a_pool_with_no_connection_free_sheds_with_retry_after_and_marks_nothing
     env.until_held(std::slice::from_ref(&app), 1).await;
 
     let paths: Vec<String> = (2..=4).map(|id| format!("/posts/{id}")).collect();
+    let started = Instant::now();
     let busy = join_all(paths.iter().map(|path| app.get(path))).await;
+    let took = started.elapsed();
     let locks: Vec<String> = (2..=4).map(|id| env.keys.lock(id)).collect();
     let locks_left = join_all(locks.iter().map(|lock| env.pttl(lock))).await;
     lock.release().await;
@@ -173,6 +177,10 @@ async fn a_pool_with_no_connection_free_sheds_with_retry_after_and_marks_nothing
         );
         assert!(!reply.error().is_empty());
     }
+    assert!(
+        took < Duration::from_millis(800),
+        "answered after the acquire timeout: {took:?}"
+    );
     assert!(
         locks_left.iter().all(|ttl| *ttl == -2),
         "each lock let go at once: {locks_left:?}"
