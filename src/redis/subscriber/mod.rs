@@ -141,7 +141,11 @@ impl Subscriber {
             // Uncertain until confirmed: the SUBSCRIBE may fail, time out or
             // be cancelled and still reach the server.
             self.set_uncertain(channel, true);
-            guarded(&self.breaker, self.timeout, self.server_subscribe(channel)).await?;
+            // Boxed: the client library's futures make it 31 KB, which
+            // every flight's task would carry (and copy when spawned) for a
+            // step most flights never take, or take once per channel.
+            let subscribe = Box::pin(self.server_subscribe(channel));
+            guarded(&self.breaker, self.timeout, subscribe).await?;
             self.set_uncertain(channel, false);
             *subscribed = true;
             metrics::subscribed_channels(1.0);
