@@ -21,7 +21,7 @@
 //!   look up → judge (`freshness.rs`) → in-process flight (`local.rs`) →
 //!   elect → lead (`leader.rs`) or listen → sleep → re-check, as one state
 //!   machine with pure transitions (`machine.rs`, driven by `waiter.rs`);
-//!   the memory tier, background refreshes, changes applied, the load lab's
+//!   loads batched into shared statements (`batch.rs`); the memory tier, background refreshes, changes applied, the load lab's
 //!   strategies.
 //! - [`redis`] — the Redis side: commands bounded by REDIS_TIMEOUT, a
 //!   client and a circuit breaker per node, the Lua scripts each with a

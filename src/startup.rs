@@ -15,7 +15,7 @@ use tokio_util::task::AbortOnDropHandle;
 use crate::{
     cache::{Jitter, Keys},
     changes::Feed,
-    config::{CacheSettings, ServeArgs},
+    config::{CacheSettings, DatabaseSettings, ServeArgs},
     db,
     flight::{self, ReadPath},
     http::{self, AppState, ConnectionLimits, Limits},
@@ -64,9 +64,9 @@ pub struct Application {
     _upkeep: Option<AbortOnDropHandle<()>>,
 }
 
-/// The read path's settings from the cache settings, with LOAD_TIMEOUT as
-/// resolved (it depends on the database's settings).
-pub fn read_path_settings(c: &CacheSettings, load_timeout: Duration) -> flight::Settings {
+/// The read path's settings from the cache settings, with LOAD_TIMEOUT and
+/// LOAD_STATEMENTS as resolved (they depend on the database's settings).
+pub fn read_path_settings(c: &CacheSettings, database: &DatabaseSettings) -> flight::Settings {
     flight::Settings {
         strategy: c.cache_strategy,
         wake: flight::Wake::of(c.cache_strategy, c.poll_interval),
@@ -75,7 +75,10 @@ pub fn read_path_settings(c: &CacheSettings, load_timeout: Duration) -> flight::
         jitter: Jitter::new(c.ttl_jitter),
         lock_ttl: c.lock_ttl,
         wait_timeout: c.wait_timeout,
-        load_timeout,
+        load_timeout: c.load_timeout(database),
+        load_batch_max: c.load_batch_max,
+        load_statements: c.load_statements(database),
+        load_queue_timeout: database.db_acquire_timeout,
         redis_timeout: c.redis_timeout,
         stale_while_revalidate: c.stale_while_revalidate,
         early_refresh_beta: c.early_refresh_beta,
@@ -91,7 +94,7 @@ pub fn read_path_settings(c: &CacheSettings, load_timeout: Duration) -> flight::
 
 impl Application {
     pub async fn build(args: ServeArgs) -> anyhow::Result<Self> {
-        let settings = read_path_settings(&args.cache, args.load_timeout());
+        let settings = read_path_settings(&args.cache, &args.database);
         Self::build_with(args, settings).await
     }
 
@@ -100,7 +103,7 @@ impl Application {
     pub async fn build_with_hooks(args: ServeArgs, hooks: flight::Hooks) -> anyhow::Result<Self> {
         let settings = flight::Settings {
             hooks,
-            ..read_path_settings(&args.cache, args.load_timeout())
+            ..read_path_settings(&args.cache, &args.database)
         };
         Self::build_with(args, settings).await
     }

@@ -44,8 +44,7 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
     let pool = db::connect(&args.database).await?;
     let redis = startup::redis_commands(&args.cache).await?;
     let keys = Keys::new(args.cache.key_prefix.clone(), "post");
-    let settings =
-        startup::read_path_settings(&args.cache, args.cache.load_timeout(&args.database));
+    let settings = startup::read_path_settings(&args.cache, &args.database);
     let ids: &[i64] = if args.all { &[] } else { &args.ids };
     let recorded = outbox::record(&pool, ids)
         .await

@@ -59,6 +59,12 @@ pub const MAX_COUNT: usize = 10_000_000;
 /// The largest MAX_ENTRY_BYTES: Redis refuses bulk strings over 512 MiB.
 pub const MAX_ENTRY_BYTES_LIMIT: usize = 512 << 20;
 
+/// LOAD_STATEMENTS unless set.
+const DEFAULT_LOAD_STATEMENTS: usize = 2;
+
+/// The largest LOAD_BATCH_MAX: one statement's array of ids stays small.
+const MAX_LOAD_BATCH: usize = 10_000;
+
 /// Refuses a duration above [`MAX_DURATION`], naming the setting.
 fn at_most_a_year(name: &str, d: Duration) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -122,6 +128,14 @@ impl CacheSettings {
         }
         anyhow::ensure!(self.max_entry_bytes > 0, "MAX_ENTRY_BYTES must be positive");
         anyhow::ensure!(
+            (1..=MAX_LOAD_BATCH).contains(&self.load_batch_max),
+            "LOAD_BATCH_MAX must be between 1 and {MAX_LOAD_BATCH}"
+        );
+        anyhow::ensure!(
+            self.load_statements != Some(0),
+            "LOAD_STATEMENTS must be positive"
+        );
+        anyhow::ensure!(
             self.max_entry_bytes <= MAX_ENTRY_BYTES_LIMIT,
             "MAX_ENTRY_BYTES must be at most {MAX_ENTRY_BYTES_LIMIT} (Redis's largest value)"
         );
@@ -133,6 +147,15 @@ impl CacheSettings {
     pub fn load_timeout(&self, database: &DatabaseSettings) -> Duration {
         self.load_timeout
             .unwrap_or(database.db_statement_timeout + LOAD_TIMEOUT_MARGIN)
+    }
+
+    /// LOAD_STATEMENTS, or 2 (at most DB_MAX_CONNECTIONS): under a storm
+    /// of misses, few statements of many keys cost PostgreSQL far less than
+    /// many of few (measured by `load/compare cold-storm`), and two keep
+    /// one slow statement from holding every load up.
+    pub fn load_statements(&self, database: &DatabaseSettings) -> usize {
+        self.load_statements
+            .unwrap_or(DEFAULT_LOAD_STATEMENTS.min(database.db_max_connections as usize))
     }
 }
 
@@ -154,6 +177,13 @@ impl ServeArgs {
             ("CHANGE_RETENTION", self.change_retention),
         ] {
             at_most_a_year(name, d)?;
+        }
+        if let Some(statements) = c.load_statements {
+            anyhow::ensure!(
+                statements <= self.database.db_max_connections as usize,
+                "LOAD_STATEMENTS ({statements}) must be at most DB_MAX_CONNECTIONS ({})",
+                self.database.db_max_connections
+            );
         }
         anyhow::ensure!(
             self.max_in_flight <= MAX_COUNT,

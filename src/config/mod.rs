@@ -282,6 +282,18 @@ pub struct CacheSettings {
     /// for the key meanwhile (503 at once, or the fail-safe copy) (0 = off).
     #[arg(long, env = "FAILURE_TTL", default_value = "2s", value_parser = parse_duration)]
     pub failure_ttl: Duration,
+
+    /// Most keys one load statement reads (`where id = any($1)`): misses
+    /// that queue while LOAD_STATEMENTS statements run go together in the
+    /// next one (1: a statement per key).
+    #[arg(long, env = "LOAD_BATCH_MAX", default_value_t = 256)]
+    pub load_batch_max: usize,
+
+    /// Most load statements in flight at once per instance (default 2; at
+    /// most DB_MAX_CONNECTIONS). Below it a miss's statement starts at
+    /// once; past it, misses queue for the next statement.
+    #[arg(long, env = "LOAD_STATEMENTS")]
+    pub load_statements: Option<usize>,
 }
 
 #[cfg(test)]

@@ -28,6 +28,8 @@ fn defaults_match_the_contract() {
     assert_eq!(s.cache.lock_ttl, Duration::from_secs(5));
     assert_eq!(s.cache.wait_timeout, Duration::from_secs(3));
     assert_eq!(s.load_timeout(), Duration::from_millis(2_500));
+    assert_eq!(s.cache.load_batch_max, 256);
+    assert_eq!(s.cache.load_statements(&s.database), 2);
     assert_eq!(s.cache.negative_ttl, Duration::from_secs(10));
     assert_eq!(s.cache.cache_strategy, Strategy::Pubsub);
     assert_eq!(s.cache.stale_while_revalidate, Duration::ZERO);
@@ -84,6 +86,10 @@ fn settings_that_would_overflow_or_break_the_hash_tags_are_refused() {
         (&["--db-max-connections", "0"], "DB_MAX_CONNECTIONS"),
         (&["--max-entry-bytes", "0"], "MAX_ENTRY_BYTES"),
         (&["--max-entry-bytes", "1000000000"], "MAX_ENTRY_BYTES"),
+        (&["--load-batch-max", "0"], "LOAD_BATCH_MAX"),
+        (&["--load-batch-max", "10001"], "LOAD_BATCH_MAX"),
+        (&["--load-statements", "0"], "LOAD_STATEMENTS"),
+        (&["--load-statements", "17"], "LOAD_STATEMENTS"),
     ] {
         let error = refusal(flags).expect_err(named);
         assert!(error.contains(named), "{flags:?}: {error}");

@@ -18,8 +18,8 @@ use super::{
 use crate::{
     cache::{now_millis, Entry, ItemKeys, Status},
     redis::{
-        with_backoff, Finish, Finished, LockOp, OnLock, RedisCommands, RedisError, StoreFor,
-        RETRY_FIRST,
+        with_backoff, Before, Finish, Finished, LockOp, OnLock, RedisCommands, RedisError,
+        StoreFor, RETRY_FIRST,
     },
     telemetry::metrics,
 };
@@ -151,12 +151,13 @@ impl<'a, S: Source> Leader<'a, S> {
         }
     }
 
-    /// Leads the load: double-check, load, finish.
+    /// Leads the load: double-check, load, finish. `before` is what its
+    /// claim read with the lock.
     ///
     /// `seen` (a background refresh): the stored_at of the entry being
     /// replaced, which the double-check must not take for a newer one.
-    pub async fn lead(self, seen: Option<u64>) -> Led {
-        let fence = match self.double_check(seen).await {
+    pub async fn lead(self, before: Before, seen: Option<u64>) -> Led {
+        let fence = match self.double_check(before, seen) {
             Ok(fence) => fence,
             Err(done) => return self.release(done).await,
         };
@@ -187,18 +188,11 @@ impl<'a, S: Source> Leader<'a, S> {
     }
 
     /// The previous leader may have finished between our first GET and our
-    /// SET NX (its lock gone, its value in place): do not load twice. Reads
-    /// the change fence too, before the row: a change applied after this
-    /// point makes our finish store nothing (see the finish script).
+    /// claim (its lock gone, its value in place): do not load twice. The
+    /// claim read the change fence too, before the row: a change applied
+    /// after it makes our finish store nothing (see the finish script).
     /// `Ok(fence)` to load; `Err(outcome)` when someone finished already.
-    async fn double_check(&self, seen: Option<u64>) -> Result<String, Outcome> {
-        let before = match self.path.redis.before_load(self.keys).await {
-            Ok(before) => before,
-            Err(error) => {
-                tracing::warn!(%error, "redis failed after taking the lock; loading anyway");
-                return Ok(String::new());
-            }
-        };
+    fn double_check(&self, before: Before, seen: Option<u64>) -> Result<String, Outcome> {
         let verdict = judge(
             before.entry,
             now_millis(),
@@ -360,7 +354,7 @@ impl<'a, S: Source> Leader<'a, S> {
     }
 }
 
-/// A lock attempt until Redis answers it (see [`try_lock`]).
+/// A lock attempt until Redis answers it (see [`claim`]).
 struct Attempt<'a, S: Source> {
     path: &'a ReadPath<S>,
     lock: &'a str,
@@ -376,28 +370,26 @@ impl<S: Source> Drop for Attempt<'_, S> {
     }
 }
 
-/// Tries to take `keys.lock` with `token` (SET NX PX LOCK_TTL).
+/// Tries to take `keys.lock` with `token` (SET NX PX LOCK_TTL), reading
+/// what its leader must see before the load if taken (the claim script).
 ///
 /// An attempt that ends without an answer (a timeout, a dropped
 /// connection, or its future dropped) may still run later, when Redis
 /// catches up or the client replays it after a reconnect, leaving a lock
 /// nobody holds until LOCK_TTL and its waiters to WAIT_TIMEOUT: the
 /// [`Attempt`] guard then queues a token-checked release behind it.
-pub(super) async fn try_lock<S: Source>(
+pub(super) async fn claim<S: Source>(
     path: &ReadPath<S>,
     keys: &ItemKeys,
     token: &str,
-) -> Result<bool, RedisError> {
+) -> Result<Option<Before>, RedisError> {
     let mut attempt = Attempt {
         path,
         lock: &keys.lock,
         token,
         answered: false,
     };
-    let result = path
-        .redis
-        .try_lock(&keys.lock, token, path.settings.lock_ttl)
-        .await;
+    let result = path.redis.claim(keys, token, path.settings.lock_ttl).await;
     // An answer, or a refusal by the breaker: nothing went out.
     attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
     result

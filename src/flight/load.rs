@@ -1,11 +1,15 @@
 //! The protocol: loads from the source, shared by the leader, the
 //! waiters that pass, the bypass of a failing Redis and the baselines.
 //! Bounded by LOAD_TIMEOUT; an item over MAX_ENTRY_BYTES is served but
-//! never stored.
+//! never stored. The protocol's loads are batched (`batch.rs`); the load
+//! lab's baselines make a statement per request.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
-use super::{answer::Outcome, Answer, Busy, Served, Settings, Source};
+use super::{answer::Outcome, batch::Batches, strategy, Answer, Busy, Served, Settings, Source};
 use crate::{
     cache::{Entry, Jitter, Status},
     redis::RedisError,
@@ -14,7 +18,9 @@ use crate::{
 
 /// The source and the bounds of each load.
 pub(super) struct Loader<S: Source> {
-    source: S,
+    source: Arc<Batches<S>>,
+    /// Whether loads go through the batches (the protocol's strategies).
+    batched: bool,
     cache_ttl: Duration,
     negative_ttl: Duration,
     jitter: Jitter,
@@ -25,7 +31,13 @@ pub(super) struct Loader<S: Source> {
 impl<S: Source> Loader<S> {
     pub fn new(source: S, s: &Settings) -> Self {
         Self {
-            source,
+            source: Batches::new(
+                source,
+                s.load_batch_max,
+                s.load_statements,
+                s.load_queue_timeout,
+            ),
+            batched: strategy::batches_loads(s.strategy),
             cache_ttl: s.cache_ttl,
             negative_ttl: s.negative_ttl,
             jitter: s.jitter,
@@ -93,7 +105,14 @@ impl<S: Source> Loader<S> {
     /// had no capacity for [`Busy`] (counted as shed).
     pub async fn entry(&self, key: &S::Key) -> Result<Entry, Busy> {
         let started = Instant::now();
-        let loaded = tokio::time::timeout(self.load_timeout, self.source.load(key))
+        let load = async {
+            if self.batched {
+                self.source.load(key).await
+            } else {
+                self.source.source().load(key).await
+            }
+        };
+        let loaded = tokio::time::timeout(self.load_timeout, load)
             .await
             .unwrap_or_else(|_| {
                 Err(anyhow::anyhow!(

@@ -14,9 +14,9 @@
 //!        in-process flight (local.rs: one per key; joiners never touch Redis)
 //!                            │
 //!   waiter.rs (machine.rs's transitions), until WAIT_TIMEOUT:
-//!     SET lock token NX PX LOCK_TTL ──won──► leader.rs: GET again (someone may
-//!        │lost                               have just finished), load (the
-//!        ▼                                   watchdog extends the lock), finish
+//!     claim: SET lock NX PX ──won──► leader.rs: the claim's value (someone may
+//!        │lost   (+ value, fence)    have just finished), load (batch.rs; the
+//!        ▼                           watchdog extends the lock), finish
 //!     SUBSCRIBE ready (once) ─► GET again ─► PTTL lock ─► wait for:
 //!        message ─► answer                 lock expiry ─► loop (maybe lead)
 //! ```
@@ -30,6 +30,7 @@
 //! how a wait ends), `waiter.rs` (the flight that drives it against
 //! Redis), `leader.rs` (the leader's work, with the guard that lets
 //! go of its lock when it vanishes), `load.rs` (loads from the source),
+//! `batch.rs` (loads queued while statements run share the next one),
 //! `local.rs` (in-process flights), `memory.rs` (the memory tier and its
 //! fencing against evictions), `refresh.rs`, `apply.rs` (changes applied to
 //! the cache: fences, tombstones, the cutoff), `panics.rs` (a flight that
@@ -40,6 +41,7 @@
 
 mod answer;
 pub mod apply;
+mod batch;
 mod freshness;
 mod leader;
 mod load;
@@ -111,6 +113,13 @@ pub trait Source: Send + Sync + 'static {
         &self,
         key: &Self::Key,
     ) -> impl Future<Output = Result<Option<Bytes>, LoadError>> + Send;
+
+    /// The bodies of those of `keys` that exist, in one statement (the
+    /// keys are distinct; see `batch.rs`).
+    fn load_many(
+        &self,
+        keys: &[Self::Key],
+    ) -> impl Future<Output = Result<Vec<(Self::Key, Bytes)>, LoadError>> + Send;
 }
 
 /// The read path of one process.

@@ -86,10 +86,10 @@ impl<S: Source> ReadPath<S> {
                 let keys = this.keys.item(&key);
                 let token = lock_token();
                 let ticket = this.memory.ticket(&key);
-                match leader::try_lock(&this, &keys, &token).await {
-                    Ok(true) => {
+                match leader::claim(&this, &keys, &token).await {
+                    Ok(Some(before)) => {
                         let leader = Leader::elected(&this, &key, &keys, &token);
-                        let result = match leader.lead(seen).await {
+                        let result = match leader.lead(before, seen).await {
                             Led::Done(Err(_)) => "failed",
                             Led::Done(Ok(answer)) => {
                                 this.keep_in_memory(&key, &answer, &ticket);
@@ -100,7 +100,7 @@ impl<S: Source> ReadPath<S> {
                         };
                         metrics::refresh(result);
                     }
-                    Ok(false) => metrics::refresh("lost"),
+                    Ok(None) => metrics::refresh("lost"),
                     Err(error) => {
                         tracing::debug!(%error, "background refresh skipped");
                         metrics::refresh("failed");

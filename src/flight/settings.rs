@@ -27,6 +27,13 @@ pub struct Settings {
     pub wait_timeout: Duration,
     /// Longest a load may take, whatever the connection does.
     pub load_timeout: Duration,
+    /// Most keys one load statement reads, and most load statements in
+    /// flight at once (see `batch.rs`).
+    pub load_batch_max: usize,
+    pub load_statements: usize,
+    /// Longest a load waits for its statement to start before its instance
+    /// is busy (DB_ACQUIRE_TIMEOUT).
+    pub load_queue_timeout: Duration,
     /// Bound on each Redis command.
     pub redis_timeout: Duration,
     /// Grace window after freshness during which a stale entry is served

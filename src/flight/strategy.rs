@@ -54,6 +54,16 @@ pub(super) fn uses_memory(strategy: Strategy) -> bool {
     }
 }
 
+/// Whether a strategy's loads are batched (`batch.rs`): the protocol's
+/// are; the baselines make a statement per request, as the designs they
+/// stand for do.
+pub(super) fn batches_loads(strategy: Strategy) -> bool {
+    match strategy {
+        Strategy::Pubsub | Strategy::Poll => true,
+        Strategy::None | Strategy::Naive | Strategy::Local => false,
+    }
+}
+
 /// Counts a read as in progress until dropped (answered or cancelled).
 struct InProgress<'a>(&'a AtomicUsize);
 

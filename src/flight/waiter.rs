@@ -23,7 +23,7 @@ use super::{
 };
 use crate::{
     cache::{now_millis, Entry, ItemKeys},
-    redis::{LockTtl, Notice, RedisError, Subscription, RETRY},
+    redis::{Before, LockTtl, Notice, RedisError, Subscription, RETRY},
     telemetry::metrics,
 };
 
@@ -60,6 +60,8 @@ pub(super) struct Flight<'a, S: Source> {
     hard: tokio::time::Instant,
     /// The failure that made the flight fail open.
     failure: Option<RedisError>,
+    /// What the claim that won the lock read, for the leader.
+    claimed: Option<Before>,
 }
 
 impl<'a, S: Source> Flight<'a, S> {
@@ -74,6 +76,7 @@ impl<'a, S: Source> Flight<'a, S> {
             listener: None,
             hard: (deadline + path.settings.redis_timeout).into(),
             failure: None,
+            claimed: None,
         }
     }
 
@@ -87,9 +90,13 @@ impl<'a, S: Source> Flight<'a, S> {
             }
             event = match step {
                 Step::Elect => {
-                    let attempt = leader::try_lock(self.path, &self.keys, &self.token);
+                    let attempt = leader::claim(self.path, &self.keys, &self.token);
                     match bounded(self.hard, attempt).await {
-                        Ok(won) => Event::Elected(won),
+                        Ok(claimed) => {
+                            let won = claimed.is_some();
+                            self.claimed = claimed;
+                            Event::Elected(won)
+                        }
                         Err(failed) => self.failed(failed),
                     }
                 }
@@ -97,8 +104,13 @@ impl<'a, S: Source> Flight<'a, S> {
                     // A new wait, if this flight waits again, listens anew.
                     self.listener = None;
                     tracing::Span::current().record("role", "leader");
+                    // Always set: the machine leads only after a won claim.
+                    let before = self.claimed.take().unwrap_or(Before {
+                        entry: None,
+                        fence: String::new(),
+                    });
                     let led = Leader::elected(self.path, self.key, &self.keys, &self.token)
-                        .lead(None)
+                        .lead(before, None)
                         .await;
                     if matches!(led, Led::Fenced(_)) {
                         self.token = lock_token();

@@ -51,6 +51,28 @@ impl PostStore {
         .await
     }
 
+    /// The posts with these ids that exist, in one statement.
+    pub async fn find_many(&self, ids: &[i64]) -> Result<Vec<Post>, sqlx::Error> {
+        sqlx::query_as::<_, Post>(
+            "select id, title, body, author, created_at, updated_at from posts where id = any($1)",
+        )
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await
+    }
+
+    /// A failed read as a load error: [`crate::flight::Busy`] when every
+    /// connection was open and taken for DB_ACQUIRE_TIMEOUT (this instance
+    /// is busy, the post did not fail). A pool that timed out with room
+    /// left could not connect: PostgreSQL is down or unreachable, a
+    /// failure like any other.
+    fn load_error(&self, error: sqlx::Error) -> crate::flight::LoadError {
+        match error {
+            sqlx::Error::PoolTimedOut if self.exhausted() => crate::flight::Busy.into(),
+            error => error.into(),
+        }
+    }
+
     /// Inserts or replaces a batch of posts in one statement.
     pub async fn upsert_batch(&self, posts: &[Post]) -> Result<u64, sqlx::Error> {
         Self::upsert_batch_with(&self.pool, posts).await
@@ -100,18 +122,24 @@ impl crate::flight::Source for PostStore {
     type Key = i64;
 
     async fn load(&self, id: &i64) -> Result<Option<bytes::Bytes>, crate::flight::LoadError> {
-        let post = match self.find(*id).await {
-            Ok(Some(post)) => post,
-            Ok(None) => return Ok(None),
-            // Every connection open and taken for DB_ACQUIRE_TIMEOUT: this
-            // instance is busy, the post did not fail. (A pool that timed
-            // out with room left could not connect: PostgreSQL is down or
-            // unreachable, a failure like any other.)
-            Err(sqlx::Error::PoolTimedOut) if self.exhausted() => {
-                return Err(crate::flight::Busy.into())
-            }
-            Err(error) => return Err(error.into()),
-        };
-        Ok(Some(serde_json::to_vec(&post)?.into()))
+        match self.find(*id).await {
+            Ok(Some(post)) => Ok(Some(serde_json::to_vec(&post)?.into())),
+            Ok(None) => Ok(None),
+            Err(error) => Err(self.load_error(error)),
+        }
+    }
+
+    async fn load_many(
+        &self,
+        ids: &[i64],
+    ) -> Result<Vec<(i64, bytes::Bytes)>, crate::flight::LoadError> {
+        let posts = self
+            .find_many(ids)
+            .await
+            .map_err(|error| self.load_error(error))?;
+        posts
+            .into_iter()
+            .map(|post| Ok((post.id, serde_json::to_vec(&post)?.into())))
+            .collect()
     }
 }

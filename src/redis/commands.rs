@@ -15,7 +15,7 @@ use super::{
     breaker::State,
     error::{error_label, guarded, is_moved, RedisError},
     nodes::{self, Nodes},
-    scripts::{ms, Call, Scripts},
+    scripts::{ms, Call, Claim, Claimed, Scripts},
 };
 use crate::{
     cache::{Entry, ItemKeys},
@@ -132,6 +132,7 @@ impl RedisCommands {
         Fut: Future<Output = Result<T, fred::error::Error>>,
     {
         let node = self.nodes.for_key(key);
+        metrics::redis_call();
         // Boxed: the client library's command futures are large (a GET's is
         // 6.8 KB), and unboxed they would be copied into every future that
         // awaits them, level by level up to the request's (memmove was the
@@ -192,19 +193,6 @@ impl RedisCommands {
         Ok(decoded(key, raw))
     }
 
-    /// The leader's look before its read: the value and the item's fence,
-    /// in one MGET (they share a slot).
-    pub async fn before_load(&self, keys: &ItemKeys) -> Result<Before, RedisError> {
-        let (value, fence) = (keys.value.as_str(), keys.fence.as_str());
-        let (raw, seen): (Option<Bytes>, Option<String>) = self
-            .bounded(value, |c| async move { c.mget(vec![value, fence]).await })
-            .await?;
-        Ok(Before {
-            entry: decoded(value, raw),
-            fence: seen.unwrap_or_default(),
-        })
-    }
-
     /// SET a value with a TTL (the strategies without a lock).
     pub async fn store(&self, key: &str, entry: &Entry, ttl: Duration) -> Result<(), RedisError> {
         let px = ms(ttl).max(1);
@@ -216,22 +204,23 @@ impl RedisCommands {
         .await
     }
 
-    /// `SET lock token NX PX ttl`: true when this caller now holds the lock.
-    pub async fn try_lock(
+    /// Takes an item's lock with `token` (`SET NX PX ttl`) and, if taken,
+    /// reads what its leader must see before the load, in the same round
+    /// trip (the claim script); `None` when someone else holds the lock.
+    /// Under the breaker, as a read: a lock not taken is no one's to let go.
+    pub async fn claim(
         &self,
-        key: &str,
+        keys: &ItemKeys,
         token: &str,
         ttl: Duration,
-    ) -> Result<bool, RedisError> {
-        let px = ms(ttl).max(1);
-        let reply: Option<String> = self
-            .bounded(key, |c| async move {
-                let nx = Some(SetOptions::NX);
-                c.set(key, token, Some(Expiration::PX(px)), nx, false).await
-            })
-            .await?;
-        metrics::lock_election(reply.is_some());
-        Ok(reply.is_some())
+    ) -> Result<Option<Before>, RedisError> {
+        let claim = Claim { keys, token, ttl };
+        let claimed = self.script(&claim, true).await?;
+        metrics::lock_election(claimed.is_some());
+        Ok(claimed.map(|Claimed { value, fence }| Before {
+            entry: decoded(&keys.value, value),
+            fence,
+        }))
     }
 
     /// PTTL of a lock.
@@ -252,13 +241,19 @@ impl RedisCommands {
     /// work (apply, cutoff), which must go through whatever the reads met
     /// (see [`RedisCommands::unrefused`]).
     pub async fn eval<C: Call>(&self, call: &C) -> Result<C::Reply, RedisError> {
+        self.script(call, false).await
+    }
+
+    /// A script's call on the node of its first key, under the breaker if
+    /// `refusable`.
+    async fn script<C: Call>(&self, call: &C, refusable: bool) -> Result<C::Reply, RedisError> {
         let keys = call.keys();
         let Some(first) = keys.first().copied() else {
             return Err(RedisError::Reply(call.name()));
         };
         let args = call.args();
         let reply: Value = self
-            .unrefused(first, |c| {
+            .on_node(first, refusable, |c| {
                 let (keys, args) = (keys.clone(), args.clone());
                 async move {
                     let script = call.script(&self.scripts);

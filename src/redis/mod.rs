@@ -19,6 +19,7 @@ pub use error::{with_backoff, RedisError, RETRY_FIRST};
 pub use inspect::{snapshot, ItemSnapshot};
 pub use nodes::Nodes;
 pub use scripts::{
-    ApplyFor, ApplyMany, ChangeKind, Finish, Finished, LockOp, OnLock, RaiseCutoff, StoreFor, RETRY,
+    ApplyFor, ApplyMany, ChangeKind, Claim, Claimed, Finish, Finished, LockOp, OnLock, RaiseCutoff,
+    StoreFor, RETRY,
 };
 pub use subscriber::{Notice, Subscriber, Subscription};

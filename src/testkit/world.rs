@@ -300,6 +300,21 @@ impl TestEnv {
         .unwrap()
     }
 
+    /// Transactions ended in this database (committed or rolled back),
+    /// counted by PostgreSQL: each statement the service sends outside a
+    /// transaction is one. Exact once the service's backends exited (see
+    /// [`TestEnv::rollbacks`]).
+    pub async fn transactions(&self) -> i64 {
+        let mut conn = self.after_service_backends_exit().await;
+        sqlx::query_scalar(
+            "select (xact_commit + xact_rollback)::bigint from pg_stat_database
+             where datname = current_database()",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+    }
+
     /// Makes every load of a post take `by` longer: `posts` becomes a view
     /// over the table (renamed `posts_data`) that sleeps per row.
     pub async fn slow_loads(&self, by: Duration) {

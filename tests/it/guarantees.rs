@@ -218,17 +218,19 @@ fn found(body: &[u8]) -> Entry {
 /// Two leaders of one key: the first's lock expired and the second took it.
 async fn two_leaders(env: &TestEnv) -> (RedisCommands, Entry, Entry) {
     let commands = RedisCommands::new(env.redis.clone(), Duration::from_secs(1));
-    let lock = env.keys.lock(9);
+    let keys = env.keys.item(9);
     assert!(commands
-        .try_lock(&lock, "old-leader", Duration::from_millis(50))
+        .claim(&keys, "old-leader", Duration::from_millis(50))
         .await
-        .unwrap());
+        .unwrap()
+        .is_some());
     let older = found(br#"{"v":"old"}"#);
     tokio::time::sleep(Duration::from_millis(80)).await;
     assert!(commands
-        .try_lock(&lock, "new-leader", Duration::from_secs(10))
+        .claim(&keys, "new-leader", Duration::from_secs(10))
         .await
-        .unwrap());
+        .unwrap()
+        .is_some());
     let newer = found(br#"{"v":"new"}"#);
     (commands, older, newer)
 }

@@ -1,7 +1,7 @@
 //! The Redis side: the Lua scripts, each with its typed edge.
 //!
-//! A file per script (`finish.rs`, `apply.rs`, `cutoff.rs`, and `lock.rs`
-//! for the three small lock scripts) holds its Lua, one Rust type for a
+//! A file per script (`claim.rs`, `finish.rs`, `apply.rs`, `cutoff.rs`,
+//! and `lock.rs` for the three small lock scripts) holds its Lua, one Rust type for a
 //! call (its KEYS and ARGV, built from typed fields) and one for its reply
 //! (parsed from what Redis returns), and a contract test that runs it on a
 //! real Redis through every reply it can give. The scripts never read
@@ -11,6 +11,7 @@
 //! the scripts loaded on every connection.
 
 mod apply;
+mod claim;
 mod cutoff;
 mod finish;
 mod loading;
@@ -19,6 +20,7 @@ mod lock;
 use fred::{prelude::*, types::scripts::Script};
 
 pub use apply::{ApplyFor, ApplyMany, ChangeKind};
+pub use claim::{Claim, Claimed};
 pub use cutoff::RaiseCutoff;
 pub use finish::{Finish, Finished, StoreFor};
 pub(in crate::redis) use loading::{keep_loaded, Server};
@@ -116,6 +118,7 @@ fn with_layout(lua: &str) -> String {
 /// The scripts, loaded on every connection.
 #[derive(Clone)]
 pub struct Scripts {
+    claim: Script,
     finish: Script,
     release: Script,
     abandon: Script,
@@ -127,6 +130,7 @@ pub struct Scripts {
 impl Scripts {
     pub fn new() -> Self {
         Self {
+            claim: Script::from_lua(claim::lua()),
             finish: Script::from_lua(finish::lua()),
             release: Script::from_lua(lock::release_lua()),
             abandon: Script::from_lua(lock::abandon_lua()),
@@ -136,8 +140,9 @@ impl Scripts {
         }
     }
 
-    fn all(&self) -> [&Script; 6] {
+    fn all(&self) -> [&Script; 7] {
         [
+            &self.claim,
             &self.finish,
             &self.release,
             &self.abandon,

@@ -109,6 +109,17 @@ pub fn http_error(status: u16) {
     counter!(HTTP_ERRORS, "status" => status.to_string()).increment(1);
 }
 
+/// A load statement for `keys` keys.
+pub fn load_statement(keys: usize) {
+    counter!(DB_STATEMENTS).increment(1);
+    counter!(DB_STATEMENT_KEYS).increment(keys as u64);
+}
+
+/// A command or script sent to Redis.
+pub fn redis_call() {
+    counter!(REDIS_CALLS).increment(1);
+}
+
 pub fn db_load(result: &'static str, took: Duration) {
     counter!(DB_LOADS, "result" => result).increment(1);
     histogram!(DB_LOAD_DURATION).record(took.as_secs_f64());

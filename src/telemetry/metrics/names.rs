@@ -10,6 +10,10 @@ pub const REQUEST_DURATION: &str = "postcache_request_duration_seconds";
 pub const HTTP_ERRORS: &str = "postcache_http_errors_total";
 /// Loads from PostgreSQL by result: found, not_found, failed.
 pub const DB_LOADS: &str = "postcache_db_loads_total";
+/// Load statements sent to PostgreSQL (a batch of keys counts once).
+pub const DB_STATEMENTS: &str = "postcache_db_statements_total";
+/// Keys read by those statements (÷ statements: the mean batch).
+pub const DB_STATEMENT_KEYS: &str = "postcache_db_statement_keys_total";
 /// Duration of loads from PostgreSQL, seconds.
 pub const DB_LOAD_DURATION: &str = "postcache_db_load_duration_seconds";
 /// Lock elections by result: won, lost.
@@ -18,6 +22,9 @@ pub const LOCK_ELECTIONS: &str = "postcache_lock_elections_total";
 pub const WAITS: &str = "postcache_waits_total";
 /// Duration of waits for another's load, seconds.
 pub const WAIT_DURATION: &str = "postcache_wait_duration_seconds";
+/// Commands and scripts sent to Redis by the read path and the feed's
+/// applications (each a round trip; not the subscriber's).
+pub const REDIS_CALLS: &str = "postcache_redis_calls_total";
 /// Redis command failures (errors and timeouts) and breaker rejections, by kind.
 pub const REDIS_ERRORS: &str = "postcache_redis_errors_total";
 /// Redis circuit breaker (on a cluster, the worst of the nodes'): 0 closed,
@@ -98,9 +105,12 @@ pub const ALL: &[&str] = &[
     HTTP_ERRORS,
     DB_LOADS,
     DB_LOAD_DURATION,
+    DB_STATEMENTS,
+    DB_STATEMENT_KEYS,
     LOCK_ELECTIONS,
     WAITS,
     WAIT_DURATION,
+    REDIS_CALLS,
     REDIS_ERRORS,
     BREAKER_STATE,
     SUBSCRIBED_CHANNELS,
@@ -143,12 +153,21 @@ pub(super) fn describe() {
         Unit::Seconds,
         "Duration of loads from PostgreSQL."
     );
+    describe_counter!(
+        DB_STATEMENTS,
+        "Load statements sent to PostgreSQL (a batch of keys counts once)."
+    );
+    describe_counter!(DB_STATEMENT_KEYS, "Keys read by the load statements.");
     describe_counter!(LOCK_ELECTIONS, "Leader lock elections by result.");
     describe_counter!(WAITS, "Waits for another's load, by what ended them.");
     describe_histogram!(
         WAIT_DURATION,
         Unit::Seconds,
         "Duration of waits for another's load."
+    );
+    describe_counter!(
+        REDIS_CALLS,
+        "Commands and scripts sent to Redis (round trips), the subscriber's aside."
     );
     describe_counter!(REDIS_ERRORS, "Redis failures by kind.");
     describe_gauge!(

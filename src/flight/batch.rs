@@ -1,0 +1,449 @@
+//! The protocol: natural batching of loads. While LOAD_STATEMENTS load
+//! statements are in flight, the keys of new loads queue; the next statement
+//! reads all of them at once (up to LOAD_BATCH_MAX), so that at saturation
+//! the statements per load fall towards 1/batch while at low load nothing
+//! waits: below the bound a load's statement starts at once, and a batch of
+//! one key is the single-key statement.
+//!
+//! Only the statement is shared. Each key keeps its own election, fence,
+//! finish and wake-up (a leader waits here for its key's row as it would for
+//! its own statement). A failed statement fails each of its keys; a key the
+//! statement did not return is not found.
+//!
+//! The statements run on spawned tasks, so a request that goes away never
+//! cancels a statement other keys wait for; a task that panics, or is
+//! dropped, drops its keys' senders, which answers each of them with a
+//! failure instead of leaving it waiting.
+
+use std::{
+    collections::{HashMap, HashSet, VecDeque},
+    panic::AssertUnwindSafe,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use futures::FutureExt;
+use tokio::sync::oneshot;
+
+use super::{Busy, LoadError, Source};
+use crate::telemetry::metrics;
+
+/// What one key's load gave: its body, `None` when absent, or the batch's
+/// failure (shared by its keys).
+type Loaded = Result<Option<Bytes>, Arc<LoadError>>;
+
+/// One key waiting for a statement.
+struct Queued<K> {
+    key: K,
+    /// Names this wait, to take it out of the queue.
+    ticket: u64,
+    reply: oneshot::Sender<Loaded>,
+}
+
+/// The keys waiting for a statement, and how many statements run.
+struct Queue<K> {
+    waiting: VecDeque<Queued<K>>,
+    running: usize,
+    next_ticket: u64,
+}
+
+/// Loads from `S`, batched: see the module's comment.
+pub(super) struct Batches<S: Source> {
+    source: S,
+    /// Most keys per statement.
+    max_batch: usize,
+    /// Most statements in flight.
+    max_running: usize,
+    /// Longest a key waits for its statement to start (DB_ACQUIRE_TIMEOUT):
+    /// past it the instance is busy (see [`Busy`]).
+    patience: Duration,
+    /// A std mutex: held only to queue or take keys, never across an await.
+    queue: Mutex<Queue<S::Key>>,
+}
+
+impl<S: Source> Batches<S> {
+    pub fn new(source: S, max_batch: usize, max_running: usize, patience: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            source,
+            max_batch: max_batch.max(1),
+            max_running: max_running.max(1),
+            patience,
+            queue: Mutex::new(Queue {
+                waiting: VecDeque::new(),
+                running: 0,
+                next_ticket: 0,
+            }),
+        })
+    }
+
+    /// The source itself, for the loads that are never batched (the load
+    /// lab's baselines: a statement per request).
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// Loads `key` with the next statement: at once if fewer than
+    /// LOAD_STATEMENTS run, else with the keys queued meanwhile. A key whose
+    /// statement has not started within DB_ACQUIRE_TIMEOUT is taken out of
+    /// the queue and [`Busy`], as a load that got no connection in time.
+    pub async fn load(self: &Arc<Self>, key: &S::Key) -> Result<Option<Bytes>, LoadError> {
+        let (reply, mut answer) = oneshot::channel();
+        let (start, ticket) = {
+            let mut queue = self.lock();
+            let ticket = queue.next_ticket;
+            queue.next_ticket += 1;
+            queue.waiting.push_back(Queued {
+                key: key.clone(),
+                ticket,
+                reply,
+            });
+            let start = queue.running < self.max_running;
+            if start {
+                queue.running += 1;
+            }
+            (start, ticket)
+        };
+        if start {
+            tokio::spawn(self.clone().statements());
+        }
+        let answered = match tokio::time::timeout(self.patience, &mut answer).await {
+            Ok(answered) => answered,
+            Err(_) => {
+                let dequeued = {
+                    let mut queue = self.lock();
+                    let at = queue.waiting.iter().position(|q| q.ticket == ticket);
+                    at.and_then(|at| queue.waiting.remove(at)).is_some()
+                };
+                if dequeued {
+                    return Err(Busy.into());
+                }
+                // Its statement runs: wait for it (LOAD_TIMEOUT bounds it).
+                answer.await
+            }
+        };
+        match answered {
+            Ok(Ok(body)) => Ok(body),
+            Ok(Err(failed)) if failed.is::<Busy>() => Err(Busy.into()),
+            Ok(Err(failed)) => Err(anyhow::anyhow!("{failed:#}")),
+            Err(_) => Err(anyhow::anyhow!(
+                "the load's statement ended without an answer"
+            )),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<S::Key>> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// One statement slot: runs statements while keys are queued, each for
+    /// as many as are queued (up to LOAD_BATCH_MAX), then frees the slot.
+    async fn statements(self: Arc<Self>) {
+        let mut slot = Slot(&self.queue, true);
+        loop {
+            let batch: Vec<Queued<S::Key>> = {
+                let mut queue = self.lock();
+                if queue.waiting.is_empty() {
+                    // Freed under the lock that queues: a key queued after
+                    // this finds the slot free and starts a statement.
+                    queue.running -= 1;
+                    slot.1 = false;
+                    return;
+                }
+                let n = queue.waiting.len().min(self.max_batch);
+                queue.waiting.drain(..n).collect()
+            };
+            self.statement(batch).await;
+        }
+    }
+
+    /// Reads `batch`'s keys in one statement and answers each.
+    async fn statement(&self, mut batch: Vec<Queued<S::Key>>) {
+        // Keys whose loads were given up (timed out, or their task dropped).
+        batch.retain(|queued| !queued.reply.is_closed());
+        let mut seen = HashSet::with_capacity(batch.len());
+        let keys: Vec<S::Key> = batch
+            .iter()
+            .filter(|queued| seen.insert(&queued.key))
+            .map(|queued| queued.key.clone())
+            .collect();
+        if keys.is_empty() {
+            return;
+        }
+        metrics::load_statement(keys.len());
+        let read = AssertUnwindSafe(async {
+            if let [key] = keys.as_slice() {
+                let body = self.source.load(key).await?;
+                Ok::<_, LoadError>(HashMap::from_iter(body.map(|body| (key.clone(), body))))
+            } else {
+                let rows = self.source.load_many(&keys).await?;
+                Ok(rows.into_iter().collect())
+            }
+        })
+        .catch_unwind()
+        .await;
+        let found: Result<HashMap<S::Key, Bytes>, Arc<LoadError>> = match read {
+            Ok(Ok(found)) => Ok(found),
+            Ok(Err(error)) => Err(Arc::new(error)),
+            // The panic hook has logged it; each key is answered a failure.
+            Err(_) => Err(Arc::new(anyhow::anyhow!("the load's statement panicked"))),
+        };
+        for queued in batch {
+            let loaded = match &found {
+                Ok(found) => Ok(found.get(&queued.key).cloned()),
+                Err(error) => Err(error.clone()),
+            };
+            // Its load was given up meanwhile: nobody to answer.
+            let _ = queued.reply.send(loaded);
+        }
+    }
+}
+
+/// A statement slot taken; freed when its task ends by being dropped (the
+/// runtime shutting down) rather than by emptying the queue.
+struct Slot<'a, K>(&'a Mutex<Queue<K>>, bool);
+
+impl<K> Drop for Slot<'_, K> {
+    fn drop(&mut self) {
+        if self.1 {
+            let mut queue = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            queue.running -= 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio::sync::Semaphore;
+
+    use super::*;
+
+    const A_SECOND: Duration = Duration::from_secs(1);
+
+    /// Keys 1..=100 exist (their body is the key); each statement waits
+    /// for a permit, so a test holds statements in flight at will.
+    struct Held {
+        gate: Semaphore,
+        statements: Mutex<Vec<Vec<u64>>>,
+        fail: AtomicUsize,
+        panic: AtomicUsize,
+    }
+
+    impl Default for Held {
+        fn default() -> Self {
+            Self {
+                gate: Semaphore::new(0),
+                statements: Mutex::default(),
+                fail: AtomicUsize::new(0),
+                panic: AtomicUsize::new(0),
+            }
+        }
+    }
+
+    impl Held {
+        fn open() -> Self {
+            let held = Self::default();
+            held.gate.add_permits(1 << 20);
+            held
+        }
+
+        async fn read(&self, keys: &[u64]) -> Result<Vec<(u64, Bytes)>, LoadError> {
+            self.statements.lock().unwrap().push(keys.to_vec());
+            self.gate.acquire().await.unwrap().forget();
+            if self.panic.load(Ordering::Relaxed) > 0 {
+                panic!("a statement that panics");
+            }
+            if self.fail.load(Ordering::Relaxed) > 0 {
+                anyhow::bail!("connection reset");
+            }
+            Ok(keys
+                .iter()
+                .filter(|&&k| (1..=100).contains(&k))
+                .map(|&k| (k, Bytes::from(k.to_string())))
+                .collect())
+        }
+    }
+
+    impl Source for Arc<Held> {
+        type Key = u64;
+
+        async fn load(&self, key: &u64) -> Result<Option<Bytes>, LoadError> {
+            Ok(self.read(&[*key]).await?.pop().map(|(_, body)| body))
+        }
+
+        async fn load_many(&self, keys: &[u64]) -> Result<Vec<(u64, Bytes)>, LoadError> {
+            self.read(keys).await
+        }
+    }
+
+    /// `batches.load(key)` on a task of its own.
+    fn spawn_load(
+        batches: &Arc<Batches<Arc<Held>>>,
+        key: u64,
+    ) -> tokio::task::JoinHandle<Option<Bytes>> {
+        let batches = batches.clone();
+        tokio::spawn(async move { batches.load(&key).await.unwrap() })
+    }
+
+    /// Waits until the source has seen `n` statements.
+    async fn until_statements(source: &Held, n: usize) {
+        until("the statements", || {
+            source.statements.lock().unwrap().len() == n
+        })
+        .await;
+    }
+
+    async fn until(what: &str, check: impl Fn() -> bool) {
+        for _ in 0..1000 {
+            if check() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!("timed out waiting for {what}");
+    }
+
+    #[tokio::test]
+    async fn a_lone_load_starts_at_once_with_the_single_key_statement() {
+        let source = Arc::new(Held::open());
+        let batches = Batches::new(source.clone(), 256, 2, A_SECOND);
+        assert_eq!(batches.load(&7).await.unwrap(), Some(Bytes::from("7")));
+        assert_eq!(batches.load(&700).await.unwrap(), None);
+        assert_eq!(*source.statements.lock().unwrap(), vec![vec![7], vec![700]]);
+    }
+
+    #[tokio::test]
+    async fn loads_queued_behind_running_statements_share_the_next_ones() {
+        let source = Arc::new(Held::default());
+        let batches = Batches::new(source.clone(), 4, 2, A_SECOND);
+        let load = |key: u64| spawn_load(&batches, key);
+        // Two statements in flight, held.
+        let mut loads = vec![load(1)];
+        until("a statement", || {
+            source.statements.lock().unwrap().len() == 1
+        })
+        .await;
+        loads.push(load(2));
+        until("two statements", || {
+            source.statements.lock().unwrap().len() == 2
+        })
+        .await;
+        // Ten more, one of them twice and one absent: they queue.
+        for key in [3, 3, 4, 5, 6, 7, 8, 9, 10, 500] {
+            loads.push(load(key));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(
+            source.statements.lock().unwrap().len(),
+            2,
+            "queued, not sent"
+        );
+        source.gate.add_permits(1 << 20);
+        let got: Vec<Option<Bytes>> = futures::future::join_all(loads)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let want: Vec<Option<Bytes>> = [1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10]
+            .iter()
+            .map(|k| Some(Bytes::from(k.to_string())))
+            .chain([None])
+            .collect();
+        assert_eq!(got, want);
+        let statements = source.statements.lock().unwrap().clone();
+        // 2 + ⌈10 queued / 4⌉ at most; the duplicate read once.
+        assert!(statements.len() <= 5, "{statements:?}");
+        assert!(statements.iter().all(|s| s.len() <= 4), "{statements:?}");
+        let read: usize = statements.iter().map(Vec::len).sum();
+        assert_eq!(read, 11, "every key once: {statements:?}");
+        assert_eq!(batches.queue.lock().unwrap().running, 0, "slots freed");
+    }
+
+    #[tokio::test]
+    async fn a_failed_statement_fails_each_of_its_keys_and_the_next_goes_on() {
+        let source = Arc::new(Held::open());
+        source.fail.store(1, Ordering::Relaxed);
+        let batches = Batches::new(source.clone(), 256, 1, A_SECOND);
+        let loads: Vec<_> = (1..=5)
+            .map(|key| {
+                let batches = batches.clone();
+                tokio::spawn(async move { batches.load(&key).await })
+            })
+            .collect();
+        for load in futures::future::join_all(loads).await {
+            let error = load.unwrap().unwrap_err();
+            assert!(
+                format!("{error:#}").contains("connection reset"),
+                "{error:#}"
+            );
+        }
+        source.fail.store(0, Ordering::Relaxed);
+        assert_eq!(batches.load(&9).await.unwrap(), Some(Bytes::from("9")));
+    }
+
+    #[tokio::test]
+    async fn a_statement_that_panics_answers_its_keys_and_frees_its_slot() {
+        let source = Arc::new(Held::open());
+        source.panic.store(1, Ordering::Relaxed);
+        let batches = Batches::new(source.clone(), 256, 1, A_SECOND);
+        let error = batches.load(&1).await.unwrap_err();
+        assert!(format!("{error:#}").contains("panicked"), "{error:#}");
+        source.panic.store(0, Ordering::Relaxed);
+        assert_eq!(batches.load(&2).await.unwrap(), Some(Bytes::from("2")));
+    }
+
+    #[tokio::test]
+    async fn a_busy_source_is_busy_for_each_key() {
+        struct Busy1;
+        impl Source for Busy1 {
+            type Key = u64;
+            async fn load(&self, _: &u64) -> Result<Option<Bytes>, LoadError> {
+                Err(Busy.into())
+            }
+            async fn load_many(&self, _: &[u64]) -> Result<Vec<(u64, Bytes)>, LoadError> {
+                Err(Busy.into())
+            }
+        }
+        let batches = Batches::new(Busy1, 256, 1, A_SECOND);
+        assert!(batches.load(&1).await.unwrap_err().is::<Busy>());
+    }
+
+    #[tokio::test]
+    async fn a_load_given_up_is_left_out_of_the_statement() {
+        let source = Arc::new(Held::default());
+        let batches = Batches::new(source.clone(), 256, 1, A_SECOND);
+        let first = spawn_load(&batches, 1);
+        until_statements(&source, 1).await;
+        // Queued, then given up (a LOAD_TIMEOUT).
+        let gone = tokio::time::timeout(Duration::from_millis(20), batches.load(&2)).await;
+        assert!(gone.is_err());
+        let kept = spawn_load(&batches, 3);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        source.gate.add_permits(1 << 20);
+        first.await.unwrap();
+        kept.await.unwrap();
+        assert_eq!(*source.statements.lock().unwrap(), vec![vec![1], vec![3]]);
+    }
+
+    #[tokio::test]
+    async fn a_key_whose_statement_does_not_start_in_time_is_busy() {
+        let source = Arc::new(Held::default());
+        let batches = Batches::new(source.clone(), 256, 1, Duration::from_millis(50));
+        let first = spawn_load(&batches, 1);
+        until_statements(&source, 1).await;
+        // The one slot stays taken: the next key is busy, and out of the queue.
+        let queued = batches.load(&2).await.unwrap_err();
+        assert!(queued.is::<Busy>(), "{queued:#}");
+        assert!(batches.lock().waiting.is_empty());
+        source.gate.add_permits(1 << 20);
+        assert_eq!(first.await.unwrap(), Some(Bytes::from("1")));
+        // A statement that started is waited for, however long it takes.
+        source.gate.forget_permits(1 << 20);
+        let slow = spawn_load(&batches, 3);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        source.gate.add_permits(1);
+        assert_eq!(slow.await.unwrap(), Some(Bytes::from("3")));
+    }
+}
