@@ -140,6 +140,10 @@ impl<S: Source> Batches<S> {
     /// as many as are queued (up to LOAD_BATCH_MAX), then frees the slot.
     async fn statements(self: Arc<Self>) {
         let mut slot = Slot(&self.queue, true);
+        // Spawned from a task, this one would run next (the scheduler's
+        // LIFO slot), before the other misses already woken have queued
+        // their keys: let them queue first.
+        tokio::task::yield_now().await;
         loop {
             let batch: Vec<Queued<S::Key>> = {
                 let mut queue = self.lock();
