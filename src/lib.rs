@@ -10,9 +10,10 @@
 //! - [`telemetry`] — logging (its format) and the metrics (`names.rs`:
 //!   every series and what it counts).
 //! - [`startup`] — builds the service, binds, runs until a shutdown future.
-//! - [`http`] — router, handlers, the one HTTP error type, the OpenAPI
-//!   document generated with the routes, and the server of connections
-//!   (header and idle deadlines, the connection cap).
+//! - [`http`] — router, handlers (`many.rs`: `GET /posts?ids=`), the one
+//!   HTTP error type, the OpenAPI document generated with the routes, and
+//!   the server of connections (header and idle deadlines, the connection
+//!   cap).
 //! - [`posts`] — the post: its id (parsed wherever one arrives), its JSON
 //!   and its SQL; every `timestamptz` PostgreSQL holds (`infinity`, BC
 //!   years) as JSON.
@@ -21,8 +22,9 @@
 //!   look up → judge (`freshness.rs`) → in-process flight (`local.rs`) →
 //!   elect → lead (`leader.rs`) or listen → sleep → re-check, as one state
 //!   machine with pure transitions (`machine.rs`, driven by `waiter.rs`);
-//!   loads batched into shared statements (`batch.rs`); the memory tier, background refreshes, changes applied, the load lab's
-//!   strategies.
+//!   loads batched into shared statements (`batch.rs`); many keys read
+//!   at once (`many.rs`); the memory tier, background refreshes, changes
+//!   applied, the load lab's strategies.
 //! - [`redis`] — the Redis side: commands bounded by REDIS_TIMEOUT, a
 //!   client and a circuit breaker per node, the Lua scripts each with a
 //!   typed call and reply (`scripts/`), the shared subscriber.

@@ -46,7 +46,15 @@ struct Queue<K> {
     waiting: VecDeque<Queued<K>>,
     running: usize,
     next_ticket: u64,
+    /// Keys a batch read is about to load (see [`Batches::expect`]), with
+    /// how many reads expect each: a statement about to start waits, at
+    /// most [`EXPECTED_WAIT`], until none is left.
+    expected: HashMap<K, usize>,
 }
+
+/// Longest a statement waits for the keys a batch read expects: about a
+/// Redis round trip (their claims), never more.
+const EXPECTED_WAIT: Duration = Duration::from_millis(20);
 
 /// Loads from `S`, batched: see the module's comment.
 pub(super) struct Batches<S: Source> {
@@ -60,6 +68,8 @@ pub(super) struct Batches<S: Source> {
     patience: Duration,
     /// A std mutex: held only to queue or take keys, never across an await.
     queue: Mutex<Queue<S::Key>>,
+    /// Wakes statements waiting for expected keys when none is left.
+    arrived: tokio::sync::Notify,
 }
 
 impl<S: Source> Batches<S> {
@@ -73,8 +83,49 @@ impl<S: Source> Batches<S> {
                 waiting: VecDeque::new(),
                 running: 0,
                 next_ticket: 0,
+                expected: HashMap::new(),
             }),
+            arrived: tokio::sync::Notify::new(),
         })
+    }
+
+    /// A batch read is about to load `keys` (they missed in Redis): until
+    /// each has queued for a statement or was settled without one (its
+    /// [`Expected`] dropped), statements wait, at most [`EXPECTED_WAIT`],
+    /// so that the read's misses share one statement.
+    pub fn expect(self: &Arc<Self>, key: &S::Key) -> Expected<S> {
+        let mut queue = self.lock();
+        // Queued already (another read's load): nothing to wait for.
+        let queued = queue.waiting.iter().any(|q| &q.key == key);
+        if !queued {
+            *queue.expected.entry(key.clone()).or_default() += 1;
+        }
+        Expected {
+            batches: self.clone(),
+            key: (!queued).then(|| key.clone()),
+        }
+    }
+
+    /// No load of `key` will come now (its lock is another's, or its
+    /// value was found): no read waits for it any longer.
+    pub fn not_loading(&self, key: &S::Key) {
+        let mut queue = self.lock();
+        if queue.expected.remove(key).is_some() && queue.expected.is_empty() {
+            self.arrived.notify_waiters();
+        }
+    }
+
+    /// `key` is no longer expected by one read.
+    fn unexpect(&self, queue: &mut Queue<S::Key>, key: &S::Key) {
+        if let Some(n) = queue.expected.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                queue.expected.remove(key);
+            }
+            if queue.expected.is_empty() {
+                self.arrived.notify_waiters();
+            }
+        }
     }
 
     /// The source itself, for the loads that are never batched (the load
@@ -93,6 +144,13 @@ impl<S: Source> Batches<S> {
             let mut queue = self.lock();
             let ticket = queue.next_ticket;
             queue.next_ticket += 1;
+            if queue.expected.contains_key(key) {
+                // Arrived: every read that expected it is served by this load.
+                queue.expected.remove(key);
+                if queue.expected.is_empty() {
+                    self.arrived.notify_waiters();
+                }
+            }
             queue.waiting.push_back(Queued {
                 key: key.clone(),
                 ticket,
@@ -144,6 +202,7 @@ impl<S: Source> Batches<S> {
         // LIFO slot), before the other misses already woken have queued
         // their keys: let them queue first.
         tokio::task::yield_now().await;
+        self.until_expected_arrived().await;
         loop {
             let batch: Vec<Queued<S::Key>> = {
                 let mut queue = self.lock();
@@ -158,6 +217,23 @@ impl<S: Source> Batches<S> {
                 queue.waiting.drain(..n).collect()
             };
             self.statement(batch).await;
+        }
+    }
+
+    /// Waits, at most [`EXPECTED_WAIT`], until no key is expected.
+    async fn until_expected_arrived(&self) {
+        let deadline = tokio::time::Instant::now() + EXPECTED_WAIT;
+        loop {
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            // Registered before the look, so a notice in between is not lost.
+            arrived.as_mut().enable();
+            if self.lock().expected.is_empty() {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, arrived).await.is_err() {
+                return;
+            }
         }
     }
 
@@ -199,6 +275,23 @@ impl<S: Source> Batches<S> {
             };
             // Its load was given up meanwhile: nobody to answer.
             let _ = queued.reply.send(loaded);
+        }
+    }
+}
+
+/// A batch read's expectation that its key will load (see
+/// [`Batches::expect`]): dropped when the key's read ends, however it
+/// ends, it stops holding statements back.
+pub(super) struct Expected<S: Source> {
+    batches: Arc<Batches<S>>,
+    key: Option<S::Key>,
+}
+
+impl<S: Source> Drop for Expected<S> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            let mut queue = self.batches.lock();
+            self.batches.unexpect(&mut queue, &key);
         }
     }
 }
@@ -449,5 +542,32 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         source.gate.add_permits(1);
         assert_eq!(slow.await.unwrap(), Some(Bytes::from("3")));
+    }
+
+    #[tokio::test]
+    async fn a_statement_waits_for_the_keys_a_batch_read_expects() {
+        let source = Arc::new(Held::open());
+        let batches = Batches::new(source.clone(), 256, 2, A_SECOND);
+        let expected: Vec<_> = [1, 2, 3, 4].iter().map(|k| batches.expect(k)).collect();
+        let first = spawn_load(&batches, 1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert!(
+            source.statements.lock().unwrap().is_empty(),
+            "held for 2, 3, 4"
+        );
+        let (second, third) = (spawn_load(&batches, 2), spawn_load(&batches, 3));
+        // Key 4 will not load (another instance leads it).
+        batches.not_loading(&4);
+        for load in [first, second, third] {
+            assert!(load.await.unwrap().is_some());
+        }
+        assert_eq!(*source.statements.lock().unwrap(), vec![vec![1, 2, 3]]);
+        drop(expected);
+        assert!(batches.lock().expected.is_empty());
+        // Expected but never coming: a statement waits no more than the bound.
+        let _stuck = batches.expect(&9);
+        let started = std::time::Instant::now();
+        assert!(batches.load(&5).await.unwrap().is_some());
+        assert!(started.elapsed() < Duration::from_millis(500));
     }
 }

@@ -9,7 +9,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{answer::Outcome, batch::Batches, strategy, Answer, Busy, Served, Settings, Source};
+use super::{
+    answer::Outcome,
+    batch::{Batches, Expected},
+    strategy, Answer, Busy, Served, Settings, Source,
+};
 use crate::{
     cache::{Entry, Jitter, Status},
     redis::RedisError,
@@ -44,6 +48,17 @@ impl<S: Source> Loader<S> {
             load_timeout: s.load_timeout,
             max_entry_bytes: s.max_entry_bytes,
         }
+    }
+
+    /// A batch read is about to load `key` (see [`Batches::expect`]).
+    pub fn expect(&self, key: &S::Key) -> Expected<S> {
+        self.source.expect(key)
+    }
+
+    /// No load of `key` will come from this flight (see
+    /// [`Batches::not_loading`]).
+    pub fn not_loading(&self, key: &S::Key) {
+        self.source.not_loading(key);
     }
 
     /// Loads with Redis skipped (it failed, or its breaker is open).

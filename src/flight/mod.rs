@@ -31,6 +31,7 @@
 //! Redis), `leader.rs` (the leader's work, with the guard that lets
 //! go of its lock when it vanishes), `load.rs` (loads from the source),
 //! `batch.rs` (loads queued while statements run share the next one),
+//! `many.rs` (many keys read at once: a batch read),
 //! `local.rs` (in-process flights), `memory.rs` (the memory tier and its
 //! fencing against evictions), `refresh.rs`, `apply.rs` (changes applied to
 //! the cache: fences, tombstones, the cutoff), `panics.rs` (a flight that
@@ -47,6 +48,7 @@ mod leader;
 mod load;
 mod local;
 mod machine;
+mod many;
 mod memory;
 mod panics;
 mod refresh;
@@ -234,10 +236,25 @@ impl<S: Source> ReadPath<S> {
     /// whole wait, while the GET's future (about 500 bytes) is freed as soon
     /// as the GET is answered.
     async fn get_from_redis(self: &Arc<Self>, key: S::Key, now: u64) -> Result<Answer, ReadError> {
-        let span = tracing::Span::current();
         let grace = self.settings.stale_while_revalidate;
         let ticket = self.memory.ticket(&key);
         let (verdict, redis_up) = Box::pin(self.look_up(&key, now, grace)).await;
+        self.after_look_up(key, now, verdict, redis_up, ticket)
+            .await
+    }
+
+    /// What follows the first look in Redis (`verdict`; `redis_up`: worth
+    /// trying again for the lock): serve it, or this process's flight.
+    /// `ticket` was taken before the look (see memory.rs).
+    async fn after_look_up(
+        self: &Arc<Self>,
+        key: S::Key,
+        now: u64,
+        verdict: Verdict,
+        redis_up: bool,
+        ticket: memory::Ticket,
+    ) -> Result<Answer, ReadError> {
+        let span = tracing::Span::current();
         match verdict {
             Verdict::Fresh(entry) => {
                 span.record("role", "hit");
@@ -323,7 +340,18 @@ impl<S: Source> ReadPath<S> {
     /// The first GET and its verdict, with whether Redis is worth trying
     /// again (for the lock) when there is nothing to serve.
     async fn look_up(&self, key: &S::Key, now: u64, grace: Duration) -> (Verdict, bool) {
-        match self.redis.lookup(&self.keys.value(key)).await {
+        let looked = self.redis.lookup(&self.keys.value(key)).await;
+        self.judge_look_up(looked, now, grace)
+    }
+
+    /// A first look's verdict (see [`ReadPath::look_up`]).
+    fn judge_look_up(
+        &self,
+        looked: Result<Option<crate::cache::Entry>, RedisError>,
+        now: u64,
+        grace: Duration,
+    ) -> (Verdict, bool) {
+        match looked {
             Ok(entry) => (judge(entry, now, grace, self.cutoff()), true),
             // Redis known down: straight to the source (still one load per
             // key in this process, through the flight).

@@ -65,10 +65,10 @@ pub(super) fn batches_loads(strategy: Strategy) -> bool {
 }
 
 /// Counts a read as in progress until dropped (answered or cancelled).
-struct InProgress<'a>(&'a AtomicUsize);
+pub(super) struct InProgress<'a>(&'a AtomicUsize);
 
 impl<'a> InProgress<'a> {
-    fn enter(counter: &'a AtomicUsize) -> Self {
+    pub(super) fn enter(counter: &'a AtomicUsize) -> Self {
         counter.fetch_add(1, Ordering::Relaxed);
         metrics::reads(1.0);
         Self(counter)

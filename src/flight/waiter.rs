@@ -94,6 +94,9 @@ impl<'a, S: Source> Flight<'a, S> {
                     match bounded(self.hard, attempt).await {
                         Ok(claimed) => {
                             let won = claimed.is_some();
+                            if !won {
+                                self.path.loader.not_loading(self.key);
+                            }
                             self.claimed = claimed;
                             Event::Elected(won)
                         }

@@ -29,6 +29,8 @@ pub enum ApiError {
     InvalidId(#[from] InvalidId),
     #[error("invalid path")]
     InvalidPath,
+    #[error("invalid ids: {0}")]
+    InvalidIds(String),
     #[error("post not found")]
     PostNotFound,
     #[error("no such route")]
@@ -52,7 +54,9 @@ pub enum ApiError {
 impl ApiError {
     pub fn status_code(&self) -> StatusCode {
         match self {
-            ApiError::InvalidId(_) | ApiError::InvalidPath => StatusCode::BAD_REQUEST,
+            ApiError::InvalidId(_) | ApiError::InvalidPath | ApiError::InvalidIds(_) => {
+                StatusCode::BAD_REQUEST
+            }
             ApiError::PostNotFound | ApiError::RouteNotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Unavailable

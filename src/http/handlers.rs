@@ -55,6 +55,17 @@ impl IfNoneMatch {
         )
     }
 
+    /// Whether one of the values names `ours` (weak comparison, RFC 9110
+    /// 13.1.2), or is `*`.
+    pub fn matches(&self, ours: &str) -> bool {
+        self.0
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .any(|tag| tag == "*" || tag.trim_start_matches("W/") == ours)
+    }
+
     /// The same values, copied: a request's header values share the
     /// connection's read buffer, which a read that may wait must not keep
     /// (see `Endpoint::read`).
@@ -193,8 +204,8 @@ pub(super) fn respond(
     let age = now.saturating_sub(entry.stored_at()) / 1000;
     headers.insert(header::CACHE_CONTROL, caching.cache_control(max_age));
     headers.insert(header::AGE, caching.age(age));
-    if found {
-        insert(headers, header::ETAG, etag(entry));
+    if let Some(value) = found.then(|| etag(entry)).and_then(etag_value) {
+        headers.insert(header::ETAG, value);
     }
     if answer.served == Served::Stale {
         let warning = if entry.is_backoff() {
@@ -207,10 +218,9 @@ pub(super) fn respond(
     response
 }
 
-fn insert(headers: &mut HeaderMap, name: HeaderName, value: String) {
-    if let Ok(value) = HeaderValue::try_from(value) {
-        headers.insert(name, value);
-    }
+/// An ETag as a header value (hex digits in quotes: always valid).
+pub(super) fn etag_value(etag: String) -> Option<HeaderValue> {
+    HeaderValue::try_from(etag).ok()
 }
 
 /// The strong validator of an entry's body, as the `ETag` header shows it.
@@ -220,17 +230,7 @@ pub fn etag(entry: &Entry) -> String {
 
 /// Whether `If-None-Match` names this entry (weak comparison, RFC 9110 13.1.2).
 fn if_none_match(validators: &IfNoneMatch, entry: &Entry) -> bool {
-    if validators.0.is_empty() {
-        return false;
-    }
-    let ours = etag(entry);
-    validators
-        .0
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .any(|tag| tag == "*" || tag.trim_start_matches("W/") == ours)
+    !validators.0.is_empty() && validators.matches(&etag(entry))
 }
 
 /// `GET /posts/`: an empty id, a bad request rather than an unknown route

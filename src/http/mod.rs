@@ -5,6 +5,7 @@
 mod caching;
 mod error;
 mod handlers;
+mod many;
 pub mod openapi;
 mod probe;
 mod served;

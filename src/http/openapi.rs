@@ -22,7 +22,7 @@ use utoipa::{
 };
 use utoipa_axum::router::OpenApiRouter;
 
-use super::{error::ErrorBody, handlers, served, AppState};
+use super::{error::ErrorBody, handlers, many, served, AppState};
 use crate::flight::Served;
 
 /// The document's fixed parts; the paths come from the routes.
@@ -45,6 +45,7 @@ struct Fixed;
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(Fixed::openapi())
         .routes(utoipa_axum::routes!(handlers::get_post))
+        .routes(utoipa_axum::routes!(many::get_posts))
         .routes(utoipa_axum::routes!(handlers::healthz))
         .routes(utoipa_axum::routes!(handlers::readyz))
         .routes(utoipa_axum::routes!(handlers::metrics))
@@ -261,11 +262,19 @@ mod tests {
                 "/healthz",
                 "/metrics",
                 "/openapi.json",
+                "/posts",
                 "/posts/{id}",
                 "/readyz"
             ]
         );
-        for schema in ["Post", "Timestamp", "ErrorBody", "Readiness", "Health"] {
+        for schema in [
+            "Post",
+            "PostBatch",
+            "Timestamp",
+            "ErrorBody",
+            "Readiness",
+            "Health",
+        ] {
             assert!(doc["components"]["schemas"][schema].is_object(), "{schema}");
         }
     }

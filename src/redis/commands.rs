@@ -204,6 +204,73 @@ impl RedisCommands {
         .await
     }
 
+    /// The entries of many value keys, in one round trip per node: an MGET
+    /// on a single Redis, a pipeline of GETs on each node of a cluster (a
+    /// node's keys are in many slots, which one MGET cannot span). Each
+    /// node's read is under its breaker and REDIS_TIMEOUT; the keys of a
+    /// node whose read fails are read one by one (which follows a MOVED and
+    /// gives each key its own error).
+    pub async fn lookup_many(&self, keys: &[String]) -> Vec<Result<Option<Entry>, RedisError>> {
+        let mut groups: Vec<(Arc<nodes::Node>, Vec<usize>)> = Vec::new();
+        for (at, key) in keys.iter().enumerate() {
+            let node = self.nodes.for_key(key);
+            match groups.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
+                Some((_, members)) => members.push(at),
+                None => groups.push((node, vec![at])),
+            }
+        }
+        let reads = groups.iter().map(|(node, members)| async move {
+            let names: Vec<&str> = members.iter().map(|&at| keys[at].as_str()).collect();
+            metrics::redis_call();
+            let sent = Box::pin(async {
+                if self.sharded {
+                    let pipeline = node.client.pipeline();
+                    for name in &names {
+                        pipeline.get::<(), _>(*name).await?;
+                    }
+                    pipeline.all::<Vec<Option<Bytes>>>().await
+                } else {
+                    node.client
+                        .mget::<Vec<Option<Bytes>>, _>(names.clone())
+                        .await
+                }
+            });
+            let read = guarded(&node.breaker, self.timeout, sent).await;
+            (members, read)
+        });
+        let mut found: Vec<Option<Result<Option<Entry>, RedisError>>> =
+            keys.iter().map(|_| None).collect();
+        for (members, read) in futures::future::join_all(reads).await {
+            match read {
+                Ok(raws) if raws.len() == members.len() => {
+                    for (&at, raw) in members.iter().zip(raws) {
+                        found[at] = Some(Ok(decoded(&keys[at], raw)));
+                    }
+                }
+                Err(RedisError::CircuitOpen) => {
+                    for &at in members {
+                        found[at] = Some(Err(RedisError::CircuitOpen));
+                    }
+                }
+                Ok(_) => {
+                    for &at in members {
+                        found[at] = Some(Err(RedisError::Reply("mget")));
+                    }
+                }
+                Err(_) => {
+                    let each = members.iter().map(|&at| self.lookup(&keys[at]));
+                    for (&at, read) in members.iter().zip(futures::future::join_all(each).await) {
+                        found[at] = Some(read);
+                    }
+                }
+            }
+        }
+        found
+            .into_iter()
+            .map(|read| read.unwrap_or(Err(RedisError::Reply("mget"))))
+            .collect()
+    }
+
     /// Takes an item's lock with `token` (`SET NX PX ttl`) and, if taken,
     /// reads what its leader must see before the load, in the same round
     /// trip (the claim script); `None` when someone else holds the lock.

@@ -4,6 +4,7 @@
 //! counts exact deltas of the process-wide recorder.
 
 mod api;
+mod batch_reads;
 mod batching;
 mod changes;
 mod cluster;
