@@ -62,6 +62,9 @@ pub struct Application {
     /// The Redis connections' upkeep (scripts, cluster topology) while the
     /// service runs.
     _upkeep: Option<AbortOnDropHandle<()>>,
+    /// Builds the existence guard whenever it stands aside and the change
+    /// feed is up.
+    _guard: AbortOnDropHandle<()>,
 }
 
 /// The read path's settings from the cache settings, with LOAD_TIMEOUT and
@@ -79,6 +82,7 @@ pub fn read_path_settings(c: &CacheSettings, database: &DatabaseSettings) -> fli
         load_batch_max: c.load_batch_max,
         load_statements: c.load_statements(database),
         load_queue_timeout: database.db_acquire_timeout,
+        existence_guard: c.existence_guard,
         redis_timeout: c.redis_timeout,
         stale_while_revalidate: c.stale_while_revalidate,
         early_refresh_beta: c.early_refresh_beta,
@@ -136,6 +140,8 @@ impl Application {
             read_path.clone(),
         )
         .await?;
+        let guard =
+            AbortOnDropHandle::new(tokio::spawn(keep_guard(read_path.clone(), feed.status())));
         let caching = http::CachingHeaders::new(read_path.settings().stale_while_revalidate);
         let probe = http::Probe::new(
             db::connect_probe(&args.database, http::PROBE_TIMEOUT)?,
@@ -180,6 +186,7 @@ impl Application {
             nodes,
             feed,
             _upkeep: upkeep,
+            _guard: guard,
         })
     }
 
@@ -433,6 +440,41 @@ pub async fn shutdown_signal() {
 /// not choose). Idempotent.
 pub fn install_tls_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// How often the guard's keeper looks whether a build is wanted.
+const GUARD_CHECK: Duration = Duration::from_millis(200);
+
+/// Builds the existence guard (`flight/guard.rs`) whenever it stands aside
+/// while the change feed is up: at start, and after a change to every post
+/// or an outage of the feed. Never with CHANGE_FEED=off (it stands aside).
+async fn keep_guard(read_path: Arc<ReadPath<PostStore>>, feed: crate::changes::FeedStatus) {
+    loop {
+        let wanted = read_path.settings().existence_guard && read_path.guard().wants_build();
+        if wanted && feed.get() == crate::changes::FeedState::Up {
+            let started = std::time::Instant::now();
+            match read_path.build_guard().await {
+                Ok(true) => {
+                    let (ids, bytes) = read_path.guard().usage().unwrap_or_default();
+                    crate::telemetry::metrics::guard(ids, bytes, started.elapsed());
+                    tracing::info!(
+                        ids,
+                        bytes,
+                        took_ms = started.elapsed().as_millis() as u64,
+                        "existence guard built"
+                    );
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    tracing::warn!(
+                        error = format!("{error:#}"),
+                        "existence guard build failed; retrying"
+                    )
+                }
+            }
+        }
+        tokio::time::sleep(GUARD_CHECK).await;
+    }
 }
 
 #[cfg(test)]

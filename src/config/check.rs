@@ -22,6 +22,15 @@ pub(super) fn parse_optional_addr(s: &str) -> Result<OptionalAddr, String> {
         .map_err(|e| format!("invalid address {s:?}: {e}"))
 }
 
+/// `on` or `off`.
+pub(super) fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?} is neither on nor off")),
+    }
+}
+
 pub(super) fn parse_beta(s: &str) -> Result<f64, String> {
     let b: f64 = s
         .trim()

@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod check;
 
-use check::{parse_beta, parse_jitter, parse_optional_addr};
+use check::{parse_beta, parse_jitter, parse_on_off, parse_optional_addr};
 pub use check::{parse_duration, MAX_COUNT, MAX_DURATION, MAX_ENTRY_BYTES_LIMIT};
 
 pub use crate::{flight::Strategy, telemetry::LogFormat};
@@ -288,6 +288,13 @@ pub struct CacheSettings {
     /// next one (1: a statement per key).
     #[arg(long, env = "LOAD_BATCH_MAX", default_value_t = 256)]
     pub load_batch_max: usize,
+
+    /// The existence guard (`on` or `off`): ids that cannot exist are
+    /// answered 404 without a look in Redis or a load, from an exact set
+    /// of the ids kept current by the change feed (it stands aside while
+    /// the feed is off or down).
+    #[arg(long, env = "EXISTENCE_GUARD", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub existence_guard: bool,
 
     /// Most load statements in flight at once per instance (default 2; at
     /// most DB_MAX_CONNECTIONS). Below it a miss's statement starts at

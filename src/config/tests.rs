@@ -29,6 +29,11 @@ fn defaults_match_the_contract() {
     assert_eq!(s.cache.wait_timeout, Duration::from_secs(3));
     assert_eq!(s.load_timeout(), Duration::from_millis(2_500));
     assert_eq!(s.cache.load_batch_max, 256);
+    assert!(s.cache.existence_guard);
+    for (value, parses) in [("on", true), ("off", true), ("maybe", false), ("", false)] {
+        let cli = Cli::try_parse_from(["postcache", "serve", "--existence-guard", value]);
+        assert_eq!(cli.is_ok(), parses, "{value:?}");
+    }
     assert_eq!(s.cache.load_statements(&s.database), 2);
     assert_eq!(s.cache.negative_ttl, Duration::from_secs(10));
     assert_eq!(s.cache.cache_strategy, Strategy::Pubsub);

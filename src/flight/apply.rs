@@ -41,6 +41,12 @@ impl<S: Source> ReadPath<S> {
         // After Redis (see memory.rs), whether this process applied the
         // change, another did, or Redis failed.
         self.memory.evict(key);
+        if let Some(ordinal) = S::ordinal(key) {
+            match kind {
+                ChangeKind::Deleted => self.guard.remove(ordinal),
+                ChangeKind::Changed => self.guard.admit(ordinal),
+            }
+        }
         applied
     }
 
@@ -82,14 +88,20 @@ impl<S: Source> ReadPath<S> {
         self.redis.eval(&apply).await
     }
 
-    /// This process's memory tier forgets `key` (Redis has its change).
+    /// This process's memory tier forgets `key` (Redis has its change),
+    /// and the existence guard admits it (the change may be its insert).
     pub fn forget(&self, key: &S::Key) {
         self.memory.evict(key);
+        if let Some(ordinal) = S::ordinal(key) {
+            self.guard.admit(ordinal);
+        }
     }
 
-    /// This process's memory tier forgets everything.
+    /// This process's memory tier forgets everything, and the existence
+    /// guard stands aside until built again.
     pub fn forget_all(&self) {
         self.memory.clear();
+        self.guard.stand_aside();
     }
 
     /// The cutoff in force in this process, unix milliseconds (0: none).
@@ -104,6 +116,7 @@ impl<S: Source> ReadPath<S> {
     pub async fn invalidate_all(&self, change: i64) -> Result<u64, RedisError> {
         let cutoff = raise_cutoff(&self.redis, &self.keys, change).await;
         self.memory.clear();
+        self.guard.stand_aside();
         let cutoff = cutoff?;
         self.cutoff.fetch_max(cutoff, Ordering::Relaxed);
         Ok(cutoff)

@@ -50,6 +50,11 @@ impl<S: Source> Loader<S> {
         }
     }
 
+    /// Every item's ordinal, for the existence guard (see guard.rs).
+    pub async fn ordinals(&self) -> Result<Option<roaring::RoaringTreemap>, super::LoadError> {
+        self.source.source().ordinals().await
+    }
+
     /// A batch read is about to load `key` (see [`Batches::expect`]).
     pub fn expect(&self, key: &S::Key) -> Expected<S> {
         self.source.expect(key)

@@ -23,8 +23,10 @@ impl<S: Source> ReadPath<S> {
         }
         let _in_progress = InProgress::enter(&self.reads_in_progress);
         let now = now_millis();
-        let mut answers: Vec<Option<Result<Answer, ReadError>>> =
-            keys.iter().map(|key| self.from_memory(key, now)).collect();
+        let mut answers: Vec<Option<Result<Answer, ReadError>>> = keys
+            .iter()
+            .map(|key| self.from_memory(key, now).or_else(|| self.guarded(key)))
+            .collect();
         let rest: Vec<usize> = (0..keys.len())
             .filter(|&at| answers[at].is_none())
             .collect();

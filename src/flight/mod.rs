@@ -44,6 +44,7 @@ mod answer;
 pub mod apply;
 mod batch;
 mod freshness;
+pub mod guard;
 mod leader;
 mod load;
 mod local;
@@ -116,6 +117,20 @@ pub trait Source: Send + Sync + 'static {
         key: &Self::Key,
     ) -> impl Future<Output = Result<Option<Bytes>, LoadError>> + Send;
 
+    /// The item's number in the existence guard (see guard.rs); `None`
+    /// (the default) keeps the item out of it: its misses always load.
+    fn ordinal(_key: &Self::Key) -> Option<u64> {
+        None
+    }
+
+    /// Every item's ordinal, for the existence guard's build: `None` (the
+    /// default) when the source has no guard.
+    fn ordinals(
+        &self,
+    ) -> impl Future<Output = Result<Option<roaring::RoaringTreemap>, LoadError>> + Send {
+        async { Ok(None) }
+    }
+
     /// The bodies of those of `keys` that exist, in one statement (the
     /// keys are distinct; see `batch.rs`).
     fn load_many(
@@ -145,6 +160,8 @@ pub struct ReadPath<S: Source> {
     cutoff: AtomicU64,
     /// Fresh entries kept in this process (memory.rs).
     memory: MemoryTier<S::Key>,
+    /// The items that exist (guard.rs).
+    guard: guard::Guard,
 }
 
 impl<S: Source> ReadPath<S> {
@@ -174,6 +191,7 @@ impl<S: Source> ReadPath<S> {
             settings,
             reads_in_progress: AtomicUsize::new(0),
             cutoff: AtomicU64::new(0),
+            guard: guard::Guard::default(),
         })
     }
 
@@ -194,9 +212,52 @@ impl<S: Source> ReadPath<S> {
     }
 
     /// Serves from the memory tier (the change feed is up, or off), or not
-    /// (it is down: the tier is emptied).
+    /// (it is down: the tier is emptied, and the existence guard stands
+    /// aside until built again once the feed is back).
     pub fn serve_from_memory(&self, serving: bool) {
         self.memory.serve(serving);
+        if !serving {
+            self.guard.stand_aside();
+        }
+    }
+
+    /// The existence guard (guard.rs).
+    pub fn guard(&self) -> &guard::Guard {
+        &self.guard
+    }
+
+    /// Builds the existence guard from the source if it stands aside;
+    /// whether it is built now. Call only while the change feed is up.
+    pub async fn build_guard(&self) -> Result<bool, LoadError> {
+        let Some(build) = self.guard.begin_build() else {
+            return Ok(false);
+        };
+        match self.loader.ordinals().await {
+            Ok(Some(set)) => Ok(self.guard.finish_build(build, set)),
+            Ok(None) => {
+                self.guard.abandon_build(build);
+                Ok(false)
+            }
+            Err(error) => {
+                self.guard.abandon_build(build);
+                Err(error)
+            }
+        }
+    }
+
+    /// The guard's answer for `key`: not found, when it cannot exist.
+    fn guarded(&self, key: &S::Key) -> Option<Result<Answer, ReadError>> {
+        let ordinal = S::ordinal(key)?;
+        if !self.guard.says_missing(ordinal) {
+            return None;
+        }
+        let entry = crate::cache::Entry::new(
+            crate::cache::Status::NotFound,
+            &[],
+            self.settings.negative_ttl,
+            Duration::ZERO,
+        );
+        Some(Answer::new(entry, Served::Guard))
     }
 
     /// Whether the memory tier is on and serving, with its bytes and entries.
@@ -224,6 +285,10 @@ impl<S: Source> ReadPath<S> {
         let now = now_millis();
         if let Some(answer) = self.from_memory(&key, now) {
             span.record("role", "memory_hit");
+            return answer;
+        }
+        if let Some(answer) = self.guarded(&key) {
+            span.record("role", "guard");
             return answer;
         }
         self.get_from_redis(key, now).await

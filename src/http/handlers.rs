@@ -119,7 +119,7 @@ pub fn post_read<B>(request: &Request<B>) -> Option<PostId> {
         (status = 200, description = "The post", body = Post),
         (status = 304, description = "Not modified: the post's ETag is among If-None-Match's"),
         (status = 400, description = "Invalid id (also `GET /posts/`, an empty id)", body = ErrorBody),
-        (status = 404, description = "No such post (cached as such for NEGATIVE_TTL)", body = ErrorBody),
+        (status = 404, description = "No such post (cached as such for NEGATIVE_TTL, or known missing by the existence guard: X-Cache-Tier guard)", body = ErrorBody),
         (status = 503, description = "The backend failed (PostgreSQL, with no fail-safe copy), or overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS, or no database connection free within DB_ACQUIRE_TIMEOUT: then with Retry-After), or past REQUEST_TIMEOUT", body = ErrorBody,
          headers(("Retry-After" = Option<String>, description = "Seconds to wait, when no database connection was free in time"))),
         (status = 504, description = "Waited WAIT_TIMEOUT for another request's load", body = ErrorBody),

@@ -6,7 +6,7 @@ use crate::{cache::Status, flight::Served};
 
 /// Every way an answer is served: the values the OpenAPI document lists,
 /// and what the tests go through.
-pub const ALL: [Served; 8] = [
+pub const ALL: [Served; 9] = [
     Served::Memory,
     Served::Hit,
     Served::Stale,
@@ -15,12 +15,13 @@ pub const ALL: [Served; 8] = [
     Served::CoalescedRemote,
     Served::Bypass,
     Served::TooLarge,
+    Served::Guard,
 ];
 
 /// The `X-Cache` header value.
 pub fn header(served: Served) -> &'static str {
     match served {
-        Served::Memory | Served::Hit => "hit",
+        Served::Memory | Served::Hit | Served::Guard => "hit",
         Served::Stale => "stale",
         Served::Miss => "miss",
         Served::CoalescedLocal | Served::CoalescedRemote => "coalesced",
@@ -49,6 +50,7 @@ pub fn label(served: Served, status: Status) -> &'static str {
         (Served::CoalescedRemote, _) => "coalesced_remote",
         (Served::Bypass, _) => "bypass",
         (Served::TooLarge, _) => "too_large",
+        (Served::Guard, _) => "negative_hit",
     }
 }
 
@@ -57,6 +59,7 @@ pub fn hit_tier(served: Served) -> Option<&'static str> {
     match served {
         Served::Memory => Some("memory"),
         Served::Hit => Some("redis"),
+        Served::Guard => Some("guard"),
         _ => None,
     }
 }
@@ -67,6 +70,7 @@ pub fn tier_label(served: Served) -> &'static str {
     match served {
         Served::Memory => "memory",
         Served::Hit | Served::Stale => "redis",
+        Served::Guard => "guard",
         Served::Miss
         | Served::CoalescedLocal
         | Served::CoalescedRemote

@@ -129,6 +129,23 @@ impl crate::flight::Source for PostStore {
         }
     }
 
+    fn ordinal(id: &i64) -> Option<u64> {
+        u64::try_from(*id).ok()
+    }
+
+    /// Every id, streamed (one pass over the primary key's index).
+    async fn ordinals(&self) -> Result<Option<roaring::RoaringTreemap>, crate::flight::LoadError> {
+        use futures::TryStreamExt;
+        let mut ids = sqlx::query_scalar::<_, i64>("select id from posts").fetch(&self.pool);
+        let mut set = roaring::RoaringTreemap::new();
+        while let Some(id) = ids.try_next().await? {
+            if let Ok(id) = u64::try_from(id) {
+                set.insert(id);
+            }
+        }
+        Ok(Some(set))
+    }
+
     async fn load_many(
         &self,
         ids: &[i64],

@@ -130,6 +130,10 @@ impl TestEnv {
             "--listen-addr",
             "127.0.0.1:0",
             "--no-migrate",
+            // Off unless a test is about it: whether it is built by the
+            // time a test reads a missing id would be a race.
+            "--existence-guard",
+            "off",
         ];
         let mut flags: Vec<(String, Option<String>)> = Vec::new();
         let mut args = base.iter().chain(extra).copied().peekable();
@@ -207,6 +211,8 @@ impl TestEnv {
             ("REDIS_URL", self.redis_url.clone()),
             ("KEY_PREFIX", self.prefix.clone()),
             ("NO_MIGRATE", "true".to_owned()),
+            // As in `serve_args`: off unless a test is about it.
+            ("EXISTENCE_GUARD", "off".to_owned()),
         ];
         vars.retain(|(name, _)| extra.iter().all(|(n, _)| n != name));
         vars.extend(extra.iter().cloned());

@@ -12,6 +12,7 @@ mod connections;
 mod faults;
 mod freshness;
 mod guarantees;
+mod guard;
 mod harness;
 mod load_path;
 mod memory;

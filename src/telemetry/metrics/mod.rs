@@ -63,6 +63,7 @@ pub(crate) const REQUEST_LABELS: &[(&str, &str)] = &[
     ("coalesced_remote", "none"),
     ("bypass", "none"),
     ("too_large", "none"),
+    ("negative_hit", "guard"),
     ("error", "none"),
 ];
 
@@ -113,6 +114,13 @@ pub fn http_error(status: u16) {
 pub fn load_statement(keys: usize) {
     counter!(DB_STATEMENTS).increment(1);
     counter!(DB_STATEMENT_KEYS).increment(keys as u64);
+}
+
+/// The existence guard was built with `ids` ids in `bytes` bytes, in `took`.
+pub fn guard(ids: u64, bytes: u64, took: Duration) {
+    gauge!(GUARD_IDS).set(ids as f64);
+    gauge!(GUARD_BYTES).set(bytes as f64);
+    gauge!(GUARD_BUILD).set(took.as_secs_f64());
 }
 
 /// A command or script sent to Redis.

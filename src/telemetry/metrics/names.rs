@@ -98,6 +98,13 @@ pub const CONNECTIONS_TIMED_OUT: &str = "postcache_connections_timed_out_total";
 /// for the key), `in_flight` (MAX_IN_FLIGHT).
 pub const SHED: &str = "postcache_shed_total";
 
+/// The existence guard: ids in its set, and its bytes (0 while it stands
+/// aside).
+pub const GUARD_IDS: &str = "postcache_guard_ids";
+pub const GUARD_BYTES: &str = "postcache_guard_bytes";
+/// How long the existence guard's last build took, seconds.
+pub const GUARD_BUILD: &str = "postcache_guard_build_seconds";
+
 /// Every metric name, for checks that dashboards name only what exists.
 pub const ALL: &[&str] = &[
     REQUESTS,
@@ -125,6 +132,9 @@ pub const ALL: &[&str] = &[
     CONNECTIONS_REFUSED,
     CONNECTIONS_TIMED_OUT,
     SHED,
+    GUARD_IDS,
+    GUARD_BYTES,
+    GUARD_BUILD,
     FENCED,
     FEED_UP,
     CHANGES_APPLIED,
@@ -158,6 +168,20 @@ pub(super) fn describe() {
         "Load statements sent to PostgreSQL (a batch of keys counts once)."
     );
     describe_counter!(DB_STATEMENT_KEYS, "Keys read by the load statements.");
+    describe_gauge!(
+        GUARD_IDS,
+        "Ids in the existence guard's set at its last build."
+    );
+    describe_gauge!(
+        GUARD_BYTES,
+        Unit::Bytes,
+        "Bytes of the existence guard's set at its last build."
+    );
+    describe_gauge!(
+        GUARD_BUILD,
+        Unit::Seconds,
+        "How long the existence guard's last build took."
+    );
     describe_counter!(LOCK_ELECTIONS, "Leader lock elections by result.");
     describe_counter!(WAITS, "Waits for another's load, by what ended them.");
     describe_histogram!(

@@ -1,0 +1,116 @@
+//! The existence guard: ids that cannot exist are answered 404 without a
+//! look in Redis or a load; an insert is served once the change feed has
+//! applied it; with the feed off the guard stands aside.
+
+use postcache::testkit::{wait_until, TestApp, TestEnv, A_WHILE};
+
+/// The existence guard on (the tests' instances have it off).
+const GUARDED: &[&str] = &["--existence-guard", "on"];
+
+async fn metric(app: &TestApp, series: &str) -> f64 {
+    app.http.metric(series).await
+}
+
+async fn until_built(app: &TestApp, ids: f64) {
+    wait_until("the existence guard to be built", A_WHILE, async || {
+        metric(app, "postcache_guard_ids").await == ids
+            && app.get("/posts/100000").await.tier() == Some("guard")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ids_that_cannot_exist_never_reach_postgres() {
+    let env = TestEnv::new(100).await;
+    let app = env.spawn(GUARDED).await;
+    until_built(&app, 100.0).await;
+    assert!(metric(&app, "postcache_guard_bytes").await > 0.0);
+
+    let statements = metric(&app, "postcache_db_statements_total").await;
+    for id in 1_000..1_200 {
+        let reply = app.get(&format!("/posts/{id}")).await;
+        assert_eq!(reply.status, 404, "post {id}");
+        assert_eq!(reply.tier(), Some("guard"));
+        assert!(!reply.error().is_empty());
+    }
+    let list = (2_001..2_100)
+        .map(|id| id.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let batch = app.get(&format!("/posts?ids=1,{list}")).await;
+    assert_eq!(batch.json()["not_found"].as_array().unwrap().len(), 99);
+    assert_eq!(batch.json()["posts"][0]["id"], 1);
+    // Post 1 was loaded; none of the 299 missing ids was.
+    let sent = metric(&app, "postcache_db_statements_total").await - statements;
+    assert!(sent <= 1.0, "{sent} statements");
+    // Existing posts are served as ever.
+    assert_eq!(app.get("/posts/42").await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_insert_is_served_once_the_feed_applies_it_and_a_delete_is_missing() {
+    let env = TestEnv::new(10).await;
+    let app = env.spawn(GUARDED).await;
+    until_built(&app, 10.0).await;
+    assert_eq!(app.get("/posts/500").await.status, 404);
+
+    sqlx::query(
+        "insert into posts (id, title, body, author, created_at, updated_at)
+         values (500, 'new', 'b', 'a', now(), now())",
+    )
+    .execute(&env.admin)
+    .await
+    .unwrap();
+    wait_until("the insert to be served", A_WHILE, async || {
+        app.get("/posts/500").await.status == 200
+    })
+    .await;
+    assert_eq!(app.get("/posts/500").await.json()["title"], "new");
+
+    sqlx::query("delete from posts where id = 7")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    wait_until("the delete to be seen", A_WHILE, async || {
+        app.get("/posts/7").await.status == 404
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_the_feed_off_the_guard_stands_aside() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&["--existence-guard", "on", "--change-feed", "off"])
+        .await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let statements = metric(&app, "postcache_db_statements_total").await;
+    let reply = app.get("/posts/999").await;
+    assert_eq!(reply.status, 404);
+    assert_ne!(reply.tier(), Some("guard"));
+    assert_eq!(
+        metric(&app, "postcache_db_statements_total").await - statements,
+        1.0
+    );
+}
+
+/// A change to every post (a TRUNCATE) makes the guard stand aside, then
+/// it is built again with what the table now holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_a_truncate_the_guard_is_built_again() {
+    let env = TestEnv::new(10).await;
+    let app = env.spawn(GUARDED).await;
+    until_built(&app, 10.0).await;
+    sqlx::query("truncate posts")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    wait_until("post 3 to be gone", A_WHILE, async || {
+        app.get("/posts/3").await.status == 404
+    })
+    .await;
+    until_built(&app, 0.0).await;
+    // (Post 3's not-found answer is in the memory tier now.)
+    let reply = app.get("/posts/4").await;
+    assert_eq!((reply.status, reply.tier()), (404, Some("guard")));
+}
