@@ -290,9 +290,9 @@ pub struct CacheSettings {
     pub load_batch_max: usize,
 
     /// The existence guard (`on` or `off`): ids that cannot exist are
-    /// answered 404 without a look in Redis or a load, from an exact set
-    /// of the ids kept current by the change feed (it stands aside while
-    /// the feed is off or down).
+    /// answered 404 without a load once Redis has nothing for them, from an
+    /// exact set of the ids kept current by the change feed (it stands
+    /// aside while the feed is off or down).
     #[arg(long, env = "EXISTENCE_GUARD", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub existence_guard: bool,
 

@@ -23,8 +23,7 @@ pub enum Served {
     /// Loaded from the source and not cached: the item is larger than
     /// MAX_ENTRY_BYTES (a too-large marker is cached in its place).
     TooLarge,
-    /// Not found, said by the existence guard without a look in Redis or a
-    /// load (see guard.rs).
+    /// Not found, said by the existence guard without a load (see guard.rs).
     Guard,
 }
 

@@ -1,8 +1,11 @@
 //! The protocol: the existence guard. An exact set of the items that exist
 //! (a roaring bitmap of their ordinals: about 2 bytes per id where ids are
 //! dense), built from the source at start and kept current by the change
-//! feed, so that a miss for an item outside it is answered "not found"
-//! without a load: ids that cannot exist never reach the source.
+//! feed, so that a miss (nothing in the memory tier nor in Redis) for an
+//! item outside it is answered "not found" without a load: ids that cannot
+//! exist never reach the source. (Checked past the look in Redis, so that
+//! hits pay nothing for it: measured, a check before it cost hits in Redis
+//! 2%.)
 //!
 //! It never says "missing" for an item whose insert the feed has applied
 //! here: every change to an item admits it (a change may be its insert),

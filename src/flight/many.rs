@@ -23,10 +23,8 @@ impl<S: Source> ReadPath<S> {
         }
         let _in_progress = InProgress::enter(&self.reads_in_progress);
         let now = now_millis();
-        let mut answers: Vec<Option<Result<Answer, ReadError>>> = keys
-            .iter()
-            .map(|key| self.from_memory(key, now).or_else(|| self.guarded(key)))
-            .collect();
+        let mut answers: Vec<Option<Result<Answer, ReadError>>> =
+            keys.iter().map(|key| self.from_memory(key, now)).collect();
         let rest: Vec<usize> = (0..keys.len())
             .filter(|&at| answers[at].is_none())
             .collect();
@@ -48,8 +46,9 @@ impl<S: Source> ReadPath<S> {
                     let key = keys[at].clone();
                     // A miss: its load is about to queue; a statement waits
                     // for it and the read's other misses (see batch.rs).
-                    let expected =
-                        matches!(verdict, Verdict::Miss).then(|| self.loader.expect(&key));
+                    let expected = (matches!(verdict, Verdict::Miss)
+                        && !self.guard_says_missing(&key))
+                    .then(|| self.loader.expect(&key));
                     let read = self.after_look_up(key, now, verdict, redis_up, ticket);
                     async move {
                         let answer = read.await;

@@ -245,10 +245,14 @@ impl<S: Source> ReadPath<S> {
         }
     }
 
+    /// Whether the existence guard says `key` cannot exist.
+    fn guard_says_missing(&self, key: &S::Key) -> bool {
+        S::ordinal(key).is_some_and(|ordinal| self.guard.says_missing(ordinal))
+    }
+
     /// The guard's answer for `key`: not found, when it cannot exist.
     fn guarded(&self, key: &S::Key) -> Option<Result<Answer, ReadError>> {
-        let ordinal = S::ordinal(key)?;
-        if !self.guard.says_missing(ordinal) {
+        if !self.guard_says_missing(key) {
             return None;
         }
         let entry = crate::cache::Entry::new(
@@ -285,10 +289,6 @@ impl<S: Source> ReadPath<S> {
         let now = now_millis();
         if let Some(answer) = self.from_memory(&key, now) {
             span.record("role", "memory_hit");
-            return answer;
-        }
-        if let Some(answer) = self.guarded(&key) {
-            span.record("role", "guard");
             return answer;
         }
         self.get_from_redis(key, now).await
@@ -347,7 +347,14 @@ impl<S: Source> ReadPath<S> {
                 )
                 .await;
             }
-            Verdict::Miss => {}
+            Verdict::Miss => {
+                // Checked here, past the look in Redis, so that hits pay
+                // nothing for it.
+                if let Some(answer) = self.guarded(&key) {
+                    span.record("role", "guard");
+                    return answer;
+                }
+            }
         }
         // Boxed: a hit in Redis never makes it.
         Box::pin(self.in_flight(key, move |this, key| async move {
