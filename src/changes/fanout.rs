@@ -53,8 +53,14 @@ const RETRY_MAX: Duration = Duration::from_secs(2);
 /// What one entry of the stream says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Entry {
-    /// These posts changed, in the transaction that committed at `lsn`.
-    Posts { lsn: u64, ids: Vec<i64> },
+    /// These posts changed, in the transaction that committed at `lsn`;
+    /// those of them in `deleted` were deleted (the existence guard drops
+    /// them). An entry without the field reads as no deletes.
+    Posts {
+        lsn: u64,
+        ids: Vec<i64>,
+        deleted: Vec<i64>,
+    },
     /// Every post (a TRUNCATE, a transaction past the bound, a gap): the
     /// cutoff was raised.
     All { lsn: u64 },
@@ -66,9 +72,14 @@ pub enum Entry {
 impl Entry {
     fn fields(&self) -> Vec<(&'static str, String)> {
         match self {
-            Entry::Posts { lsn, ids } => {
-                let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
-                vec![("lsn", lsn.to_string()), ("ids", ids.join(","))]
+            Entry::Posts { lsn, ids, deleted } => {
+                let list =
+                    |ids: &[i64]| ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+                let mut fields = vec![("lsn", lsn.to_string()), ("ids", list(ids))];
+                if !deleted.is_empty() {
+                    fields.push(("deleted", list(deleted)));
+                }
+                fields
             }
             Entry::All { lsn } => vec![("lsn", lsn.to_string()), ("all", "1".into())],
             Entry::Beat { lsn, behind } => {
@@ -90,15 +101,15 @@ impl Entry {
         if fields.contains_key("all") {
             return Some(Entry::All { lsn });
         }
-        let ids = fields.get("ids")?;
-        let ids = if ids.is_empty() {
-            Vec::new()
-        } else {
-            ids.split(',')
-                .map(|id| id.parse().ok())
-                .collect::<Option<_>>()?
+        let list = |ids: &str| -> Option<Vec<i64>> {
+            if ids.is_empty() {
+                return Some(Vec::new());
+            }
+            ids.split(',').map(|id| id.parse().ok()).collect()
         };
-        Some(Entry::Posts { lsn, ids })
+        let ids = list(fields.get("ids")?)?;
+        let deleted = list(fields.get("deleted").map_or("", String::as_str))?;
+        Some(Entry::Posts { lsn, ids, deleted })
     }
 }
 
@@ -241,9 +252,13 @@ impl Reader {
     async fn take(&self, entry: Option<Entry>) {
         match entry {
             Some(Entry::Beat { behind, .. }) => self.beats.beat(behind),
-            Some(Entry::Posts { ids, .. }) => {
+            Some(Entry::Posts { ids, deleted, .. }) => {
                 for id in ids {
-                    self.read_path.forget(&id);
+                    if deleted.contains(&id) {
+                        self.read_path.forget_deleted(&id);
+                    } else {
+                        self.read_path.forget(&id);
+                    }
                 }
             }
             Some(Entry::All { .. }) | None => {
@@ -288,10 +303,17 @@ mod tests {
             Entry::Posts {
                 lsn: 0x1_6B00_0000,
                 ids: vec![1, 42, i64::MAX],
+                deleted: vec![],
+            },
+            Entry::Posts {
+                lsn: 0x1_6B00_0000,
+                ids: vec![1, 42, i64::MAX],
+                deleted: vec![42],
             },
             Entry::Posts {
                 lsn: 7,
                 ids: vec![],
+                deleted: vec![],
             },
             Entry::All { lsn: 9 },
             Entry::Beat {

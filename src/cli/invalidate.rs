@@ -68,7 +68,12 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
         done.push((post, change, applied));
     }
     let ids = done.iter().map(|(post, _, _)| *post).collect();
-    tell_the_stream(&redis, &keys, Entry::Posts { lsn: 0, ids }).await?;
+    let entry = Entry::Posts {
+        lsn: 0,
+        ids,
+        deleted: Vec::new(),
+    };
+    tell_the_stream(&redis, &keys, entry).await?;
     Ok(Invalidated::Posts(done))
 }
 

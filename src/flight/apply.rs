@@ -97,6 +97,15 @@ impl<S: Source> ReadPath<S> {
         }
     }
 
+    /// As [`ReadPath::forget`], for an item deleted: the existence guard
+    /// drops it.
+    pub fn forget_deleted(&self, key: &S::Key) {
+        self.memory.evict(key);
+        if let Some(ordinal) = S::ordinal(key) {
+            self.guard.remove(ordinal);
+        }
+    }
+
     /// This process's memory tier forgets everything, and the existence
     /// guard stands aside until built again.
     pub fn forget_all(&self) {

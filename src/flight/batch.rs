@@ -54,7 +54,7 @@ struct Queue<K> {
 
 /// Longest a statement waits for the keys a batch read expects: about a
 /// Redis round trip (their claims), never more.
-const EXPECTED_WAIT: Duration = Duration::from_millis(20);
+const EXPECTED_WAIT: Duration = Duration::from_millis(50);
 
 /// Loads from `S`, batched: see the module's comment.
 pub(super) struct Batches<S: Source> {
@@ -70,10 +70,24 @@ pub(super) struct Batches<S: Source> {
     queue: Mutex<Queue<S::Key>>,
     /// Wakes statements waiting for expected keys when none is left.
     arrived: tokio::sync::Notify,
+    /// Longest a statement waits for them ([`EXPECTED_WAIT`]).
+    expected_wait: Duration,
 }
 
 impl<S: Source> Batches<S> {
     pub fn new(source: S, max_batch: usize, max_running: usize, patience: Duration) -> Arc<Self> {
+        Self::waiting(source, max_batch, max_running, patience, EXPECTED_WAIT)
+    }
+
+    /// [`Batches::new`], statements waiting at most `expected_wait` for
+    /// the keys a batch read expects.
+    fn waiting(
+        source: S,
+        max_batch: usize,
+        max_running: usize,
+        patience: Duration,
+        expected_wait: Duration,
+    ) -> Arc<Self> {
         Arc::new(Self {
             source,
             max_batch: max_batch.max(1),
@@ -86,6 +100,7 @@ impl<S: Source> Batches<S> {
                 expected: HashMap::new(),
             }),
             arrived: tokio::sync::Notify::new(),
+            expected_wait,
         })
     }
 
@@ -222,7 +237,7 @@ impl<S: Source> Batches<S> {
 
     /// Waits, at most [`EXPECTED_WAIT`], until no key is expected.
     async fn until_expected_arrived(&self) {
-        let deadline = tokio::time::Instant::now() + EXPECTED_WAIT;
+        let deadline = tokio::time::Instant::now() + self.expected_wait;
         loop {
             let arrived = self.arrived.notified();
             tokio::pin!(arrived);
@@ -547,7 +562,9 @@ mod tests {
     #[tokio::test]
     async fn a_statement_waits_for_the_keys_a_batch_read_expects() {
         let source = Arc::new(Held::open());
-        let batches = Batches::new(source.clone(), 256, 2, A_SECOND);
+        // A bound far past the test's steps: the statement waits for the
+        // keys, not for the bound.
+        let batches = Batches::waiting(source.clone(), 256, 2, A_SECOND, Duration::from_secs(30));
         let expected: Vec<_> = [1, 2, 3, 4].iter().map(|k| batches.expect(k)).collect();
         let first = spawn_load(&batches, 1);
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -565,6 +582,7 @@ mod tests {
         drop(expected);
         assert!(batches.lock().expected.is_empty());
         // Expected but never coming: a statement waits no more than the bound.
+        let batches = Batches::new(source.clone(), 256, 2, A_SECOND);
         let _stuck = batches.expect(&9);
         let started = std::time::Instant::now();
         assert!(batches.load(&5).await.unwrap().is_some());

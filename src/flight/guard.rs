@@ -10,9 +10,9 @@
 //! It never says "missing" for an item whose insert the feed has applied
 //! here: every change to an item admits it (a change may be its insert),
 //! including the changes applied while the set was being read (kept aside,
-//! then merged). A deletion heard as such (trigger mode) removes it; one
-//! heard only as a change (replication mode's stream carries ids) keeps it,
-//! which costs a load, never a wrong answer.
+//! then merged). A deletion removes it (in both modes: the replication
+//! stream's entries name their deleted ids); were one heard only as a
+//! change, the id would stay, which costs a load, never a wrong answer.
 //!
 //! It stands aside (every miss may load) until built, while the change feed
 //! is down or off (changes may be missed), and after a change to every item

@@ -2,7 +2,7 @@
 //! look in Redis or a load; an insert is served once the change feed has
 //! applied it; with the feed off the guard stands aside.
 
-use postcache::testkit::{wait_until, TestApp, TestEnv, A_WHILE};
+use postcache::testkit::{wait_until, RedisServer, TestApp, TestEnv, A_WHILE};
 
 /// The existence guard on (the tests' instances have it off).
 const GUARDED: &[&str] = &["--existence-guard", "on"];
@@ -75,6 +75,12 @@ async fn an_insert_is_served_once_the_feed_applies_it_and_a_delete_is_missing() 
         app.get("/posts/7").await.status == 404
     })
     .await;
+    // Known missing to the guard itself, not only by its tombstone.
+    wait_until("the guard to drop the deleted id", A_WHILE, async || {
+        app.state.read_path.guard().says_missing(7)
+    })
+    .await;
+    assert!(!app.state.read_path.guard().says_missing(500));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -113,4 +119,56 @@ async fn after_a_truncate_the_guard_is_built_again() {
     // (Post 3's not-found answer is in the memory tier now.)
     let reply = app.get("/posts/4").await;
     assert_eq!((reply.status, reply.tier()), (404, Some("guard")));
+}
+
+/// While the change feed is down the guard stands aside (a post inserted
+/// then is not said missing), and once the feed is back the guard is built
+/// again, with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn while_the_feed_is_down_the_guard_stands_aside_and_is_built_again_after() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(3, redis.url()).await;
+    let app = env
+        .spawn(&[
+            "--existence-guard",
+            "on",
+            "--redis-timeout",
+            "100ms",
+            "--change-feed",
+            "trigger",
+        ])
+        .await;
+    until_built(&app, 3.0).await;
+    let guard = || app.state.read_path.guard();
+    assert!(guard().says_missing(50));
+
+    redis.cli(&["client", "pause", "1500", "all"]);
+    // The insert's notification makes the feed meet the paused Redis.
+    sqlx::query(
+        "insert into posts (id, title, body, author, created_at, updated_at)
+         values (50, 'during', 'b', 'a', now(), now())",
+    )
+    .execute(&env.admin)
+    .await
+    .unwrap();
+    wait_until("the feed to say it is down", A_WHILE, async || {
+        app.get("/readyz").await.json()["change_feed"] == "down"
+    })
+    .await;
+    wait_until("the guard to stand aside", A_WHILE, async || {
+        guard().wants_build()
+    })
+    .await;
+    assert!(!guard().says_missing(50), "aside while the feed is down");
+
+    wait_until("the feed to be up again", A_WHILE, async || {
+        app.get("/readyz").await.json()["change_feed"] == "up"
+    })
+    .await;
+    wait_until("the guard to be built again", A_WHILE, async || {
+        guard().says_missing(999)
+    })
+    .await;
+    assert!(!guard().says_missing(50));
+    assert_eq!(app.get("/posts/50").await.json()["title"], "during");
 }

@@ -236,6 +236,7 @@ impl Candidate {
                 .await
         };
         let mut ids = Vec::with_capacity(results.len());
+        let mut deleted = Vec::new();
         for ((id, kind, at), done) in results {
             if done {
                 metrics::change_applied(
@@ -246,6 +247,9 @@ impl Candidate {
                     lag,
                 );
                 ids.push(id);
+                if kind == ChangeKind::Deleted {
+                    deleted.push(id);
+                }
             } else {
                 progress.keep(id, kind, at);
             }
@@ -262,7 +266,11 @@ impl Candidate {
             fanout::append(
                 self.read_path.redis(),
                 &self.stream_key,
-                &Entry::Posts { lsn: lsn.0, ids },
+                &Entry::Posts {
+                    lsn: lsn.0,
+                    ids,
+                    deleted,
+                },
             )
             .await?;
         }
