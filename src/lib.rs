@@ -16,7 +16,8 @@
 //!   cap).
 //! - [`posts`] — the post: its id (parsed wherever one arrives), its JSON
 //!   and its SQL; every `timestamptz` PostgreSQL holds (`infinity`, BC
-//!   years) as JSON.
+//!   years) as JSON; loads from read replicas that have replayed each
+//!   key's last change (`replicas.rs`).
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`flight`] — the protocol, generic over what it loads:
 //!   look up → judge (`freshness.rs`) → in-process flight (`local.rs`) →
@@ -33,7 +34,8 @@
 //!   decoder per fleet fanned out through a Redis Stream (`replication`,
 //!   `fanout`, `pgoutput`), or the outbox trigger (`outbox`, LISTEN,
 //!   catch-up).
-//! - [`db`] — the PostgreSQL pools and the embedded migrations.
+//! - [`db`] — the PostgreSQL pools (the primary's, the replicas') and the
+//!   embedded migrations.
 //! - [`cli`] — `seed` (streamed, with progress), `invalidate`, `inspect`.
 //! - `testkit` (feature `testkit`) — test support shared by tests and examples.
 //!

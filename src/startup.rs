@@ -19,7 +19,7 @@ use crate::{
     db,
     flight::{self, ReadPath},
     http::{self, AppState, ConnectionLimits, Limits},
-    posts::PostStore,
+    posts::{PostStore, Replicas},
     redis::{Nodes, RedisCommands, Subscriber},
     telemetry,
 };
@@ -65,6 +65,9 @@ pub struct Application {
     /// Builds the existence guard whenever it stands aside and the change
     /// feed is up.
     _guard: AbortOnDropHandle<()>,
+    /// DATABASE_REPLICA_URLS, and the task that probes them.
+    replicas: Option<Arc<Replicas>>,
+    _replicas: Option<AbortOnDropHandle<()>>,
 }
 
 /// The read path's settings from the cache settings, with LOAD_TIMEOUT and
@@ -119,13 +122,18 @@ impl Application {
             db::migrate(&args.database).await?;
         }
         let pool = db::connect(&args.database).await?;
+        let replicas = connect_replicas(&args)?;
         let (redis, subscriber, nodes) = connect_redis(&args).await?;
         let c = &args.cache;
         let nodes = Arc::new(nodes);
         let commands = RedisCommands::with_nodes(nodes.clone(), c.redis_timeout);
         let upkeep = commands.upkeep();
+        let store = match &replicas {
+            Some(replicas) => PostStore::with_replicas(pool.clone(), replicas.clone()),
+            None => PostStore::new(pool.clone()),
+        };
         let read_path = ReadPath::new(
-            PostStore::new(pool.clone()),
+            store,
             Keys::new(c.key_prefix.clone(), "post"),
             commands,
             Subscriber::start(subscriber.clone(), c.redis_timeout),
@@ -142,6 +150,14 @@ impl Application {
         .await?;
         let guard =
             AbortOnDropHandle::new(tokio::spawn(keep_guard(read_path.clone(), feed.status())));
+        let replicas_task = replicas.as_ref().map(|replicas| {
+            tracing::info!(
+                replicas = replicas.report().len(),
+                max_lag_ms = args.replica_max_lag.as_millis() as u64,
+                "loads read from replicas that have replayed each key's last change, while the change feed is up in replication mode"
+            );
+            AbortOnDropHandle::new(tokio::spawn(keep_replicas(replicas.clone(), feed.status())))
+        });
         let caching = http::CachingHeaders::new(read_path.settings().stale_while_revalidate);
         let probe = http::Probe::new(
             db::connect_probe(&args.database, http::PROBE_TIMEOUT)?,
@@ -154,6 +170,7 @@ impl Application {
             metrics,
             feed: feed.status(),
             caching,
+            replicas: replicas.clone(),
         });
         let limits = Limits {
             max_in_flight: args.max_in_flight,
@@ -187,6 +204,8 @@ impl Application {
             feed,
             _upkeep: upkeep,
             _guard: guard,
+            replicas,
+            _replicas: replicas_task,
         })
     }
 
@@ -252,6 +271,9 @@ impl Application {
         let close = async {
             self.state.db.close().await;
             self.state.probe.close().await;
+            if let Some(replicas) = &self.replicas {
+                replicas.close().await;
+            }
         };
         if tokio::time::timeout(QUIT_LIMIT, close).await.is_err() {
             tracing::warn!("postgres connections did not close in time; exiting anyway");
@@ -448,6 +470,58 @@ const GUARD_CHECK: Duration = Duration::from_millis(200);
 /// Builds the existence guard (`flight/guard.rs`) whenever it stands aside
 /// while the change feed is up: at start, and after a change to every post
 /// or an outage of the feed. Never with CHANGE_FEED=off (it stands aside).
+/// The read replicas' pools (none when DATABASE_REPLICA_URLS is empty).
+fn connect_replicas(args: &ServeArgs) -> anyhow::Result<Option<Arc<Replicas>>> {
+    if args.database_replica_urls.0.is_empty() {
+        return Ok(None);
+    }
+    let replicas = args
+        .database_replica_urls
+        .0
+        .iter()
+        .map(|url| db::connect_replica(&args.database, url, http::PROBE_TIMEOUT))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let primary = db::connect_probe(&args.database, http::PROBE_TIMEOUT)?;
+    Ok(Some(Arc::new(Replicas::new(
+        replicas,
+        primary,
+        args.replica_max_lag,
+    ))))
+}
+
+/// Probes the replicas, and tells them whether the change feed is up in
+/// replication mode (only then are its fences LSNs, and set for every
+/// change).
+async fn keep_replicas(replicas: Arc<Replicas>, feed: crate::changes::FeedStatus) {
+    let probe = async {
+        replicas.probe_forever().await;
+    };
+    let follow = async {
+        let mut said = None;
+        loop {
+            let report = feed.report();
+            let up = feed.get() == crate::changes::FeedState::Up
+                && report.mode == Some(crate::changes::Mode::Replication);
+            replicas.set_feed_up(up);
+            if report.mode.is_some()
+                && report.mode != Some(crate::changes::Mode::Replication)
+                && said.is_none()
+            {
+                tracing::error!(
+                    mode = report.mode.map(|m| m.as_str()),
+                    "DATABASE_REPLICA_URLS is set but the change feed is not in replication mode (wal_level is not logical?): every load reads the primary"
+                );
+                said = Some(());
+            }
+            tokio::time::sleep(FEED_CHECK).await;
+        }
+    };
+    tokio::join!(probe, follow);
+}
+
+/// How often the replicas learn whether the change feed is up.
+const FEED_CHECK: std::time::Duration = std::time::Duration::from_millis(50);
+
 async fn keep_guard(read_path: Arc<ReadPath<PostStore>>, feed: crate::changes::FeedStatus) {
     loop {
         let wanted = read_path.settings().existence_guard && read_path.guard().wants_build();

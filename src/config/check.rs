@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::{CacheSettings, DatabaseSettings, OptionalAddr, ServeArgs};
+use super::{CacheSettings, DatabaseSettings, OptionalAddr, ServeArgs, UrlList};
 
 /// Parses `250ms`, `5s`, `2m` (any humantime duration).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -20,6 +20,25 @@ pub(super) fn parse_optional_addr(s: &str) -> Result<OptionalAddr, String> {
     s.parse()
         .map(|addr| OptionalAddr(Some(addr)))
         .map_err(|e| format!("invalid address {s:?}: {e}"))
+}
+
+/// Comma-separated PostgreSQL URLs; empty for none.
+pub(super) fn parse_url_list(s: &str) -> Result<UrlList, String> {
+    let mut urls = Vec::new();
+    for url in s.split(',').map(str::trim) {
+        if url.is_empty() {
+            continue;
+        }
+        let parsed = url::Url::parse(url).map_err(|e| format!("invalid URL in the list: {e}"))?;
+        if !matches!(parsed.scheme(), "postgres" | "postgresql") {
+            return Err(format!(
+                "a replica URL must be postgres:// or postgresql://, got {}://",
+                parsed.scheme()
+            ));
+        }
+        urls.push(url.to_owned());
+    }
+    Ok(UrlList(urls))
 }
 
 /// `on` or `off`.
@@ -174,6 +193,11 @@ impl ServeArgs {
         self.cache.load_timeout(&self.database)
     }
 
+    /// How long a change's fence lives (as the read path's settings say).
+    pub fn fence_ttl(&self) -> Duration {
+        crate::flight::fence_ttl(self.cache.lock_ttl, self.load_timeout())
+    }
+
     /// Checks the relations between settings that clap cannot express.
     pub fn validate(&self) -> anyhow::Result<()> {
         let c = &self.cache;
@@ -184,8 +208,26 @@ impl ServeArgs {
             ("HEADER_READ_TIMEOUT", self.header_read_timeout),
             ("IDLE_TIMEOUT", self.idle_timeout),
             ("CHANGE_RETENTION", self.change_retention),
+            ("REPLICA_MAX_LAG", self.replica_max_lag),
         ] {
             at_most_a_year(name, d)?;
+        }
+        if !self.database_replica_urls.0.is_empty() {
+            // A key changed longer ago than the fence lives is read from any
+            // replica in the rotation: one must have replayed everything
+            // that old (see posts/replicas.rs).
+            let bound = self.replica_max_lag + crate::posts::PROBE_FRESH;
+            let fence = self.fence_ttl();
+            anyhow::ensure!(
+                bound < fence,
+                "REPLICA_MAX_LAG ({}) + 3s must be below the change fence's lifetime, 2 × (LOCK_TTL + LOAD_TIMEOUT) = {}",
+                humantime::format_duration(self.replica_max_lag),
+                humantime::format_duration(fence)
+            );
+            anyhow::ensure!(
+                !matches!(self.change_feed, super::ChangeFeed::Trigger | super::ChangeFeed::Off),
+                "DATABASE_REPLICA_URLS needs CHANGE_FEED=replication (or auto): only its fences say which change a replica must have replayed"
+            );
         }
         if let Some(statements) = c.load_statements {
             anyhow::ensure!(

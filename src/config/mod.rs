@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod check;
 
-use check::{parse_beta, parse_jitter, parse_on_off, parse_optional_addr};
+use check::{parse_beta, parse_jitter, parse_on_off, parse_optional_addr, parse_url_list};
 pub use check::{parse_duration, MAX_COUNT, MAX_DURATION, MAX_ENTRY_BYTES_LIMIT};
 
 pub use crate::{flight::Strategy, telemetry::LogFormat};
@@ -180,7 +180,30 @@ pub struct ServeArgs {
     /// 200 MiB (lowered at start to what the file-descriptor limit allows).
     #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 10_000)]
     pub max_connections: usize,
+
+    /// Read replicas for loads, comma-separated PostgreSQL URLs (empty:
+    /// every load reads DATABASE_URL). A key is read from a replica only
+    /// once it has replayed the key's last change; needs CHANGE_FEED
+    /// replication (otherwise every load reads the primary).
+    #[arg(
+        long,
+        env = "DATABASE_REPLICA_URLS",
+        default_value = "",
+        hide_env_values = true,
+        value_parser = parse_url_list
+    )]
+    pub database_replica_urls: UrlList,
+
+    /// A replica whose replay trails the primary's commits by more than
+    /// this leaves the rotation; must stay below the change fence's
+    /// lifetime (2 × (LOCK_TTL + LOAD_TIMEOUT)) by 3s.
+    #[arg(long, env = "REPLICA_MAX_LAG", default_value = "5s", value_parser = parse_duration)]
+    pub replica_max_lag: Duration,
 }
+
+/// A comma-separated list of URLs (empty: none).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UrlList(pub Vec<String>);
 
 /// Whether and how the service follows changes made in PostgreSQL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

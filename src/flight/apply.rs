@@ -53,18 +53,30 @@ impl<S: Source> ReadPath<S> {
     /// Applies change `change` to `key` in Redis only (the change feed's
     /// decoder: every instance's memory tier forgets the item when it reads
     /// the change from the fleet's stream); false when it was applied
-    /// already.
+    /// already. `change` is the commit LSN: the key is fenced whether or not
+    /// anything is cached (see `posts/replicas.rs`).
     pub async fn invalidate_in_redis(
         &self,
         key: &S::Key,
         change: i64,
         kind: ChangeKind,
     ) -> Result<bool, RedisError> {
-        apply_change(&self.redis, &self.keys, &self.settings, key, change, kind).await
+        let (tombstone, lifetimes) = apply_with(&self.settings);
+        let keys = self.keys.item(key);
+        let apply = ApplyMany {
+            items: &[(&keys, change, kind)],
+            tombstone: &tombstone,
+            lifetimes: ApplyFor {
+                always_fence: true,
+                ..lifetimes
+            },
+        };
+        Ok(self.redis.eval(&apply).await? == 1)
     }
 
     /// Applies several changes to Redis in one round trip where Redis allows
-    /// it (a single server; see [`RedisCommands::applies_together`]).
+    /// it (a single server; see [`RedisCommands::applies_together`]); the
+    /// decoder's, fenced as [`ReadPath::invalidate_in_redis`].
     pub async fn invalidate_many_in_redis(
         &self,
         changes: &[(S::Key, i64, ChangeKind)],
@@ -83,7 +95,10 @@ impl<S: Source> ReadPath<S> {
         let apply = ApplyMany {
             items: &items,
             tombstone: &tombstone,
-            lifetimes,
+            lifetimes: ApplyFor {
+                always_fence: true,
+                ..lifetimes
+            },
         };
         self.redis.eval(&apply).await
     }
@@ -173,6 +188,7 @@ fn apply_with(s: &Settings) -> (Entry, ApplyFor) {
             negative + s.max_stale
         },
         grace: s.stale_while_revalidate,
+        always_fence: false,
     };
     (tombstone, lifetimes)
 }

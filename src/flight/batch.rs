@@ -16,7 +16,7 @@
 //! failure instead of leaving it waiting.
 
 use std::{
-    collections::{HashMap, HashSet, VecDeque},
+    collections::{HashMap, VecDeque},
     panic::AssertUnwindSafe,
     sync::{Arc, Mutex, PoisonError},
     time::Duration,
@@ -26,7 +26,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use tokio::sync::oneshot;
 
-use super::{Busy, LoadError, Source};
+use super::{Busy, LoadError, Since, Source};
 use crate::telemetry::metrics;
 
 /// What one key's load gave: its body, `None` when absent, or the batch's
@@ -36,6 +36,8 @@ type Loaded = Result<Option<Bytes>, Arc<LoadError>>;
 /// One key waiting for a statement.
 struct Queued<K> {
     key: K,
+    /// The last change its read must include.
+    since: Since,
     /// Names this wait, to take it out of the queue.
     ticket: u64,
     reply: oneshot::Sender<Loaded>,
@@ -153,7 +155,11 @@ impl<S: Source> Batches<S> {
     /// LOAD_STATEMENTS run, else with the keys queued meanwhile. A key whose
     /// statement has not started within DB_ACQUIRE_TIMEOUT is taken out of
     /// the queue and [`Busy`], as a load that got no connection in time.
-    pub async fn load(self: &Arc<Self>, key: &S::Key) -> Result<Option<Bytes>, LoadError> {
+    pub async fn load(
+        self: &Arc<Self>,
+        key: &S::Key,
+        since: Since,
+    ) -> Result<Option<Bytes>, LoadError> {
         let (reply, mut answer) = oneshot::channel();
         let (start, ticket) = {
             let mut queue = self.lock();
@@ -168,6 +174,7 @@ impl<S: Source> Batches<S> {
             }
             queue.waiting.push_back(Queued {
                 key: key.clone(),
+                since,
                 ticket,
                 reply,
             });
@@ -256,19 +263,27 @@ impl<S: Source> Batches<S> {
     async fn statement(&self, mut batch: Vec<Queued<S::Key>>) {
         // Keys whose loads were given up (timed out, or their task dropped).
         batch.retain(|queued| !queued.reply.is_closed());
-        let mut seen = HashSet::with_capacity(batch.len());
-        let keys: Vec<S::Key> = batch
-            .iter()
-            .filter(|queued| seen.insert(&queued.key))
-            .map(|queued| queued.key.clone())
-            .collect();
+        // A key queued twice (by a read elsewhere in this process after a
+        // change) is read once, so as to include the later change.
+        let mut keys: Vec<(S::Key, Since)> = Vec::with_capacity(batch.len());
+        let mut at: HashMap<&S::Key, usize> = HashMap::with_capacity(batch.len());
+        for queued in &batch {
+            match at.get(&queued.key) {
+                Some(&i) => keys[i].1 = keys[i].1.max(queued.since),
+                None => {
+                    at.insert(&queued.key, keys.len());
+                    keys.push((queued.key.clone(), queued.since));
+                }
+            }
+        }
+        drop(at);
         if keys.is_empty() {
             return;
         }
         metrics::load_statement(keys.len());
         let read = AssertUnwindSafe(async {
-            if let [key] = keys.as_slice() {
-                let body = self.source.load(key).await?;
+            if let [(key, since)] = keys.as_slice() {
+                let body = self.source.load(key, *since).await?;
                 Ok::<_, LoadError>(HashMap::from_iter(body.map(|body| (key.clone(), body))))
             } else {
                 let rows = self.source.load_many(&keys).await?;
@@ -339,6 +354,8 @@ mod tests {
     struct Held {
         gate: Semaphore,
         statements: Mutex<Vec<Vec<u64>>>,
+        /// Each key read, with the change it had to include.
+        asked: Mutex<Vec<(u64, Since)>>,
         fail: AtomicUsize,
         panic: AtomicUsize,
     }
@@ -348,6 +365,7 @@ mod tests {
             Self {
                 gate: Semaphore::new(0),
                 statements: Mutex::default(),
+                asked: Mutex::default(),
                 fail: AtomicUsize::new(0),
                 panic: AtomicUsize::new(0),
             }
@@ -381,12 +399,15 @@ mod tests {
     impl Source for Arc<Held> {
         type Key = u64;
 
-        async fn load(&self, key: &u64) -> Result<Option<Bytes>, LoadError> {
+        async fn load(&self, key: &u64, since: Since) -> Result<Option<Bytes>, LoadError> {
+            self.asked.lock().unwrap().push((*key, since));
             Ok(self.read(&[*key]).await?.pop().map(|(_, body)| body))
         }
 
-        async fn load_many(&self, keys: &[u64]) -> Result<Vec<(u64, Bytes)>, LoadError> {
-            self.read(keys).await
+        async fn load_many(&self, keys: &[(u64, Since)]) -> Result<Vec<(u64, Bytes)>, LoadError> {
+            self.asked.lock().unwrap().extend_from_slice(keys);
+            let keys: Vec<u64> = keys.iter().map(|(key, _)| *key).collect();
+            self.read(&keys).await
         }
     }
 
@@ -396,7 +417,7 @@ mod tests {
         key: u64,
     ) -> tokio::task::JoinHandle<Option<Bytes>> {
         let batches = batches.clone();
-        tokio::spawn(async move { batches.load(&key).await.unwrap() })
+        tokio::spawn(async move { batches.load(&key, Since::ANY).await.unwrap() })
     }
 
     /// Waits until the source has seen `n` statements.
@@ -421,8 +442,11 @@ mod tests {
     async fn a_lone_load_starts_at_once_with_the_single_key_statement() {
         let source = Arc::new(Held::open());
         let batches = Batches::new(source.clone(), 256, 2, A_SECOND);
-        assert_eq!(batches.load(&7).await.unwrap(), Some(Bytes::from("7")));
-        assert_eq!(batches.load(&700).await.unwrap(), None);
+        assert_eq!(
+            batches.load(&7, Since::ANY).await.unwrap(),
+            Some(Bytes::from("7"))
+        );
+        assert_eq!(batches.load(&700, Since::ANY).await.unwrap(), None);
         assert_eq!(*source.statements.lock().unwrap(), vec![vec![7], vec![700]]);
     }
 
@@ -474,6 +498,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_key_queued_twice_is_read_once_so_as_to_include_the_later_change() {
+        let source = Arc::new(Held::default());
+        let batches = Batches::new(source.clone(), 16, 1, A_SECOND);
+        let first = spawn_load(&batches, 1);
+        until_statements(&source, 1).await;
+        let load = |key: u64, since: u64| {
+            let batches = batches.clone();
+            tokio::spawn(async move { batches.load(&key, Since(since)).await.unwrap() })
+        };
+        let queued = [load(5, 30), load(5, 70), load(5, 0), load(6, 0)];
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        source.gate.add_permits(1 << 20);
+        first.await.unwrap();
+        for load in queued {
+            assert!(load.await.unwrap().is_some());
+        }
+        let mut asked = source.asked.lock().unwrap().clone();
+        asked.sort();
+        assert_eq!(
+            asked,
+            vec![(1, Since::ANY), (5, Since(70)), (6, Since::ANY)],
+            "each key once, with the latest change asked for"
+        );
+    }
+
+    #[tokio::test]
     async fn a_failed_statement_fails_each_of_its_keys_and_the_next_goes_on() {
         let source = Arc::new(Held::open());
         source.fail.store(1, Ordering::Relaxed);
@@ -481,7 +531,7 @@ mod tests {
         let loads: Vec<_> = (1..=5)
             .map(|key| {
                 let batches = batches.clone();
-                tokio::spawn(async move { batches.load(&key).await })
+                tokio::spawn(async move { batches.load(&key, Since::ANY).await })
             })
             .collect();
         for load in futures::future::join_all(loads).await {
@@ -492,7 +542,10 @@ mod tests {
             );
         }
         source.fail.store(0, Ordering::Relaxed);
-        assert_eq!(batches.load(&9).await.unwrap(), Some(Bytes::from("9")));
+        assert_eq!(
+            batches.load(&9, Since::ANY).await.unwrap(),
+            Some(Bytes::from("9"))
+        );
     }
 
     #[tokio::test]
@@ -500,10 +553,13 @@ mod tests {
         let source = Arc::new(Held::open());
         source.panic.store(1, Ordering::Relaxed);
         let batches = Batches::new(source.clone(), 256, 1, A_SECOND);
-        let error = batches.load(&1).await.unwrap_err();
+        let error = batches.load(&1, Since::ANY).await.unwrap_err();
         assert!(format!("{error:#}").contains("panicked"), "{error:#}");
         source.panic.store(0, Ordering::Relaxed);
-        assert_eq!(batches.load(&2).await.unwrap(), Some(Bytes::from("2")));
+        assert_eq!(
+            batches.load(&2, Since::ANY).await.unwrap(),
+            Some(Bytes::from("2"))
+        );
     }
 
     #[tokio::test]
@@ -511,15 +567,15 @@ mod tests {
         struct Busy1;
         impl Source for Busy1 {
             type Key = u64;
-            async fn load(&self, _: &u64) -> Result<Option<Bytes>, LoadError> {
+            async fn load(&self, _: &u64, _: Since) -> Result<Option<Bytes>, LoadError> {
                 Err(Busy.into())
             }
-            async fn load_many(&self, _: &[u64]) -> Result<Vec<(u64, Bytes)>, LoadError> {
+            async fn load_many(&self, _: &[(u64, Since)]) -> Result<Vec<(u64, Bytes)>, LoadError> {
                 Err(Busy.into())
             }
         }
         let batches = Batches::new(Busy1, 256, 1, A_SECOND);
-        assert!(batches.load(&1).await.unwrap_err().is::<Busy>());
+        assert!(batches.load(&1, Since::ANY).await.unwrap_err().is::<Busy>());
     }
 
     #[tokio::test]
@@ -529,7 +585,8 @@ mod tests {
         let first = spawn_load(&batches, 1);
         until_statements(&source, 1).await;
         // Queued, then given up (a LOAD_TIMEOUT).
-        let gone = tokio::time::timeout(Duration::from_millis(20), batches.load(&2)).await;
+        let gone =
+            tokio::time::timeout(Duration::from_millis(20), batches.load(&2, Since::ANY)).await;
         assert!(gone.is_err());
         let kept = spawn_load(&batches, 3);
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -546,7 +603,7 @@ mod tests {
         let first = spawn_load(&batches, 1);
         until_statements(&source, 1).await;
         // The one slot stays taken: the next key is busy, and out of the queue.
-        let queued = batches.load(&2).await.unwrap_err();
+        let queued = batches.load(&2, Since::ANY).await.unwrap_err();
         assert!(queued.is::<Busy>(), "{queued:#}");
         assert!(batches.lock().waiting.is_empty());
         source.gate.add_permits(1 << 20);
@@ -585,7 +642,7 @@ mod tests {
         let batches = Batches::new(source.clone(), 256, 2, A_SECOND);
         let _stuck = batches.expect(&9);
         let started = std::time::Instant::now();
-        assert!(batches.load(&5).await.unwrap().is_some());
+        assert!(batches.load(&5, Since::ANY).await.unwrap().is_some());
         assert!(started.elapsed() < Duration::from_millis(500));
     }
 }

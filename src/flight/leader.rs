@@ -13,7 +13,7 @@ use tokio_util::task::TaskTracker;
 use super::{
     answer::Outcome,
     freshness::{judge, store_for, Lifetimes, Verdict},
-    Answer, Busy, ReadError, ReadPath, Served, Source,
+    Answer, Busy, ReadError, ReadPath, Served, Since, Source,
 };
 use crate::{
     cache::{now_millis, Entry, ItemKeys, Status},
@@ -161,7 +161,7 @@ impl<'a, S: Source> Leader<'a, S> {
             Ok(fence) => fence,
             Err(done) => return self.release(done).await,
         };
-        match self.load().await {
+        match self.load(Since::of_fence(&fence)).await {
             Ok(loaded) => self.finish(loaded, fence).await,
             Err(Busy) => self.let_go().await,
         }
@@ -227,9 +227,12 @@ impl<'a, S: Source> Leader<'a, S> {
     /// Loads while a watchdog extends the lock every third of LOCK_TTL, so a
     /// slow but live leader is not taken over; a dead one stops extending and
     /// its lock expires after LOCK_TTL.
-    async fn load(&self) -> Result<Entry, Busy> {
+    ///
+    /// `since`: the change the claim's fence names, which the row read
+    /// must include (a replica that has not replayed it is not read).
+    async fn load(&self, since: Since) -> Result<Entry, Busy> {
         let path = self.path;
-        let load = path.loader.entry(self.key);
+        let load = path.loader.entry(self.key, since);
         tokio::pin!(load);
         let lock_ttl = path.settings.lock_ttl;
         let period = (lock_ttl / 3).max(Duration::from_millis(10));

@@ -12,7 +12,7 @@ use std::{
 use super::{
     answer::Outcome,
     batch::{Batches, Expected},
-    strategy, Answer, Busy, Served, Settings, Source,
+    strategy, Answer, Busy, Served, Settings, Since, Source,
 };
 use crate::{
     cache::{Entry, Jitter, Status},
@@ -69,14 +69,14 @@ impl<S: Source> Loader<S> {
     /// Loads with Redis skipped (it failed, or its breaker is open).
     pub async fn bypass(&self, key: &S::Key) -> Outcome {
         tracing::Span::current().record("role", "bypass");
-        Answer::new(self.entry(key).await?, Served::Bypass)
+        Answer::new(self.entry(key, Since::PRIMARY).await?, Served::Bypass)
     }
 
     /// Loads an item a too-large marker names, straight from the source:
     /// nothing is stored (the marker stays until a change or its expiry).
     pub async fn pass(&self, key: &S::Key) -> Outcome {
         tracing::Span::current().record("role", "pass");
-        let entry = self.entry(key).await?;
+        let entry = self.entry(key, Since::PRIMARY).await?;
         let served = self.served_uncached(&entry);
         Answer::new(entry, served)
     }
@@ -123,13 +123,15 @@ impl<S: Source> Loader<S> {
     /// Loads and builds the entry, fresh for the (jittered) CACHE_TTL or
     /// NEGATIVE_TTL; a failed load gives a `Failed` entry, a load the source
     /// had no capacity for [`Busy`] (counted as shed).
-    pub async fn entry(&self, key: &S::Key) -> Result<Entry, Busy> {
+    ///
+    /// `since`: the last change the load must see (see [`Since`]).
+    pub async fn entry(&self, key: &S::Key, since: Since) -> Result<Entry, Busy> {
         let started = Instant::now();
         let load = async {
             if self.batched {
-                self.source.load(key).await
+                self.source.load(key, since).await
             } else {
-                self.source.source().load(key).await
+                self.source.source().load(key, since).await
             }
         };
         let loaded = tokio::time::timeout(self.load_timeout, load)

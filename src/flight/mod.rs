@@ -75,7 +75,7 @@ use tracing::Instrument;
 
 pub use answer::{Answer, ReadError, Served};
 pub use machine::WaitEnd;
-pub use settings::Settings;
+pub use settings::{fence_ttl, Settings};
 pub use strategy::Strategy;
 pub use waiter::Wake;
 #[cfg(feature = "testkit")]
@@ -106,15 +106,40 @@ pub type LoadError = anyhow::Error;
 #[error("no connection to the source was free in time")]
 pub struct Busy;
 
+/// The last change to an item a load must see: the change fence its
+/// leader's claim read (the commit LSN of the change, with the change feed
+/// in replication mode). A source with read replicas reads the item only
+/// from one that has replayed that far; one without ignores it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Since(pub u64);
+
+impl Since {
+    /// No change within the fence's lifetime: any replica in rotation will do.
+    pub const ANY: Since = Since(0);
+    /// Only the primary will do (a fence that is no LSN; the load lab's
+    /// baselines, which claim nothing).
+    pub const PRIMARY: Since = Since(u64::MAX);
+
+    /// What a fence read by a claim asks for: nothing when there is none.
+    pub fn of_fence(fence: &str) -> Self {
+        if fence.is_empty() {
+            return Since::ANY;
+        }
+        fence.parse().map(Since).unwrap_or(Since::PRIMARY)
+    }
+}
+
 /// What the read path loads on a miss.
 pub trait Source: Send + Sync + 'static {
     /// What identifies an item; its `Display` form goes inside the hash tag.
     type Key: Clone + Eq + Hash + Display + Send + Sync + 'static;
 
-    /// The item's response body, `None` when it does not exist.
+    /// The item's response body, `None` when it does not exist, read so as
+    /// to include `since`.
     fn load(
         &self,
         key: &Self::Key,
+        since: Since,
     ) -> impl Future<Output = Result<Option<Bytes>, LoadError>> + Send;
 
     /// The item's number in the existence guard (see guard.rs); `None`
@@ -132,10 +157,11 @@ pub trait Source: Send + Sync + 'static {
     }
 
     /// The bodies of those of `keys` that exist, in one statement (the
-    /// keys are distinct; see `batch.rs`).
+    /// keys are distinct; see `batch.rs`), each read so as to include its
+    /// [`Since`].
     fn load_many(
         &self,
-        keys: &[Self::Key],
+        keys: &[(Self::Key, Since)],
     ) -> impl Future<Output = Result<Vec<(Self::Key, Bytes)>, LoadError>> + Send;
 }
 

@@ -65,6 +65,11 @@ impl Settings {
     /// load, bounded by LOAD_TIMEOUT, then finish retries for LOCK_TTL),
     /// twice over.
     pub fn fence_ttl(&self) -> Duration {
-        2 * (self.lock_ttl + self.load_timeout)
+        fence_ttl(self.lock_ttl, self.load_timeout)
     }
+}
+
+/// [`Settings::fence_ttl`] from LOCK_TTL and LOAD_TIMEOUT.
+pub fn fence_ttl(lock_ttl: Duration, load_timeout: Duration) -> Duration {
+    2 * (lock_ttl + load_timeout)
 }

@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use super::{Answer, Outcome, ReadError, ReadPath, Served, Source, Verdict, Wake};
+use super::{Answer, Outcome, ReadError, ReadPath, Served, Since, Source, Verdict, Wake};
 use crate::{
     cache::{now_millis, Status},
     telemetry::metrics,
@@ -101,7 +101,10 @@ impl<S: Source> ReadPath<S> {
             // Every request reads the source.
             Strategy::None => {
                 tracing::Span::current().record("role", "direct");
-                Answer::new(self.loader.entry(&key).await?, Served::Bypass)
+                Answer::new(
+                    self.loader.entry(&key, Since::PRIMARY).await?,
+                    Served::Bypass,
+                )
             }
             // Cache-aside, every miss loads.
             Strategy::Naive => match self.baseline_look_up(&key).await {
@@ -157,7 +160,7 @@ impl<S: Source> ReadPath<S> {
         if !redis_up {
             return self.loader.bypass(key).await;
         }
-        let entry = self.loader.entry(key).await?;
+        let entry = self.loader.entry(key, Since::PRIMARY).await?;
         if self.loader.too_large(&entry) {
             return Answer::new(entry, Served::TooLarge);
         }

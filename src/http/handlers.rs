@@ -287,6 +287,10 @@ pub struct Readiness {
     /// Replication: seconds since the fleet's decoder last said it keeps up
     /// (about 0.5 while it does).
     change_feed_lag_seconds: Option<f64>,
+    /// DATABASE_REPLICA_URLS, each with its state and lag (empty when none
+    /// is set); they do not decide readiness: loads fail over to the
+    /// primary.
+    replicas: Vec<crate::posts::ReplicaReport>,
 }
 
 /// `GET /readyz`: PostgreSQL and Redis both answer (`"redis": "circuit_open"`
@@ -329,6 +333,11 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         change_feed_mode: report.mode.map(|m| m.as_str()),
         change_feed_lag_bytes: report.lag_bytes,
         change_feed_lag_seconds: report.lag_seconds,
+        replicas: state
+            .replicas
+            .as_ref()
+            .map(|replicas| replicas.report())
+            .unwrap_or_default(),
     };
     (status, Json(readiness)).into_response()
 }

@@ -68,6 +68,8 @@ pub struct Shared {
     pub feed: FeedStatus,
     /// The values of the caching headers, made once.
     pub caching: CachingHeaders,
+    /// DATABASE_REPLICA_URLS (for `/readyz`).
+    pub replicas: Option<Arc<crate::posts::Replicas>>,
 }
 
 /// Bounds applied to every request but a memory hit (see [`Endpoint`]).

@@ -1,13 +1,19 @@
 //! The post: its id, its type, its JSON and its SQL.
 
 mod id;
+mod replicas;
 mod timestamp;
+
+use std::sync::Arc;
 
 use serde::Serialize;
 use sqlx::PgPool;
 
 pub use id::{InvalidId, PostId};
+pub use replicas::{ReplicaReport, Replicas, PROBE_FRESH};
 pub use timestamp::Timestamp;
+
+use crate::flight::Since;
 
 /// One row of `posts`, serialised as the body of `GET /posts/{id}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
@@ -21,15 +27,41 @@ pub struct Post {
     pub updated_at: Timestamp,
 }
 
-/// Reads and writes posts in PostgreSQL.
-#[derive(Debug, Clone)]
+/// Reads and writes posts in PostgreSQL: the primary, and for loads the
+/// read replicas when there are (see `replicas.rs`).
+#[derive(Clone)]
 pub struct PostStore {
     pool: PgPool,
+    replicas: Option<Arc<Replicas>>,
+}
+
+impl std::fmt::Debug for PostStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostStore")
+            .field("pool", &self.pool)
+            .field("replicas", &self.replicas.is_some())
+            .finish()
+    }
 }
 
 impl PostStore {
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            replicas: None,
+        }
+    }
+
+    /// Loads also read from `replicas`.
+    pub fn with_replicas(pool: PgPool, replicas: Arc<Replicas>) -> Self {
+        Self {
+            pool,
+            replicas: Some(replicas),
+        }
+    }
+
+    pub fn replicas(&self) -> Option<&Arc<Replicas>> {
+        self.replicas.as_ref()
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -121,7 +153,20 @@ impl PostStore {
 impl crate::flight::Source for PostStore {
     type Key = i64;
 
-    async fn load(&self, id: &i64) -> Result<Option<bytes::Bytes>, crate::flight::LoadError> {
+    async fn load(
+        &self,
+        id: &i64,
+        since: Since,
+    ) -> Result<Option<bytes::Bytes>, crate::flight::LoadError> {
+        if let Some(replicas) = &self.replicas {
+            let routed = replicas.read(&[(*id, since)]).await;
+            if routed.primary.is_empty() {
+                return match routed.found.first() {
+                    Some(post) => Ok(Some(serde_json::to_vec(post)?.into())),
+                    None => Ok(None),
+                };
+            }
+        }
         match self.find(*id).await {
             Ok(Some(post)) => Ok(Some(serde_json::to_vec(&post)?.into())),
             Ok(None) => Ok(None),
@@ -148,12 +193,22 @@ impl crate::flight::Source for PostStore {
 
     async fn load_many(
         &self,
-        ids: &[i64],
+        keys: &[(i64, Since)],
     ) -> Result<Vec<(i64, bytes::Bytes)>, crate::flight::LoadError> {
-        let posts = self
-            .find_many(ids)
-            .await
-            .map_err(|error| self.load_error(error))?;
+        let (mut posts, primary) = match &self.replicas {
+            Some(replicas) => {
+                let routed = replicas.read(keys).await;
+                (routed.found, routed.primary)
+            }
+            None => (Vec::new(), keys.iter().map(|(id, _)| *id).collect()),
+        };
+        if !primary.is_empty() {
+            posts.extend(
+                self.find_many(&primary)
+                    .await
+                    .map_err(|error| self.load_error(error))?,
+            );
+        }
         posts
             .into_iter()
             .map(|post| Ok((post.id, serde_json::to_vec(&post)?.into())))

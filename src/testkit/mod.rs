@@ -15,6 +15,7 @@
 mod database;
 mod http;
 mod load;
+mod postgres;
 mod process;
 mod redis;
 mod socket;
@@ -30,6 +31,7 @@ use std::{
 pub use database::{blocked_loads, TableLock};
 pub use http::{answered, fire, in_progress, metric, Http, Reply, TestApp};
 pub use load::{Record, Sample, SteadyLoad, Zipf};
+pub use postgres::PgServer;
 pub use process::{ServiceProcess, TcpProxy};
 pub use redis::{RedisCluster, RedisServer};
 pub use socket::{raw_request, RawConn, RawReply};

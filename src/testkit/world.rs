@@ -25,6 +25,9 @@ use crate::{
 
 /// A fresh, migrated, seeded database and a key prefix, dropped with it.
 pub struct TestEnv {
+    /// The PostgreSQL server, without a database (the shared one, or a
+    /// test's private [`super::PgServer`]).
+    pub server: String,
     pub db_name: String,
     pub db_url: String,
     pub prefix: String,
@@ -43,20 +46,26 @@ impl TestEnv {
     }
 
     pub async fn with_redis(posts: u64, redis_url: String) -> Self {
-        Self::build(posts, redis_url, true).await
+        Self::build(posts, server_url(), redis_url, true).await
+    }
+
+    /// A database with posts 1..=posts seeded on `server` (a private
+    /// PostgreSQL: see [`super::PgServer`]), on the shared Redis.
+    pub async fn on_server(posts: u64, server: String) -> Self {
+        Self::build(posts, server, redis_url(), true).await
     }
 
     /// As [`TestEnv::with_redis`] for a Redis that may be down: the test's own
     /// client connects in the background.
     pub async fn with_redis_lazy(posts: u64, redis_url: String) -> Self {
-        Self::build(posts, redis_url, false).await
+        Self::build(posts, server_url(), redis_url, false).await
     }
 
-    async fn build(posts: u64, redis_url: String, redis_up: bool) -> Self {
+    async fn build(posts: u64, server: String, redis_url: String, redis_up: bool) -> Self {
         init_tracing();
         let tag = format!("{:016x}", rand::rng().random::<u64>());
         let db_name = format!("postcache_test_{tag}");
-        let db_url = format!("{}/{db_name}", server_url());
+        let db_url = format!("{server}/{db_name}");
         let settings = DatabaseSettings {
             database_url: db_url.clone(),
             db_max_connections: 4,
@@ -94,6 +103,7 @@ impl TestEnv {
         let prefix = format!("t{tag}:");
         Self {
             keys: Keys::new(prefix.clone(), "post"),
+            server,
             db_name,
             db_url,
             prefix,
@@ -399,7 +409,7 @@ impl Drop for TestEnv {
     fn drop(&mut self) {
         // Drop the database from a thread of its own: Drop cannot await, and
         // the test's runtime may be shutting down.
-        let url = server_url();
+        let url = self.server.clone();
         let name = self.db_name.clone();
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()

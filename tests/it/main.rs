@@ -19,6 +19,7 @@ mod memory;
 mod not_serving;
 mod odd_rows;
 mod processes;
+mod replicas;
 mod replication;
 mod restarts;
 mod scenarios;

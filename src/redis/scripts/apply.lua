@@ -22,8 +22,10 @@ local function apply_one(K, A)
   local value = redis.call('GET', K.value)
   -- Something to fence (a stored value, or a leader at work, which may have
   -- read the row before the change): the fence becomes this change, a value
-  -- no earlier fence had, and the change is remembered as applied.
-  local fence = value or redis.call('EXISTS', K.lock) == 1
+  -- no earlier fence had, and the change is remembered as applied. The
+  -- replication feed fences every change (its LSN): a later load from a
+  -- read replica must have replayed it.
+  local fence = A.always_fence == '1' or value or redis.call('EXISTS', K.lock) == 1
   if A.kind == 'delete' then
     -- Deleted: a tombstone in place of what is kept, so that neither the
     -- value nor the fail-safe copy ever serves the old body again.

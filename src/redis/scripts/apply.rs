@@ -51,6 +51,9 @@ layout! {
         /// Now, unix ms, as 8 big-endian bytes (compared with an entry's
         /// own bytes).
         now,
+        /// 1: fence every change, with nothing to fence too (the change's
+        /// LSN, for loads from read replicas); 0: only where there is.
+        always_fence,
     }
 }
 
@@ -118,6 +121,10 @@ pub struct ApplyFor {
     pub tombstone_copy: Duration,
     /// The stale-while-revalidate window (0: off).
     pub grace: Duration,
+    /// Fence every change, where nothing is cached too: the replication
+    /// feed's changes are commit LSNs, which a load from a read replica
+    /// must find replayed for the fence's lifetime.
+    pub always_fence: bool,
 }
 
 /// Changes to apply, each to its item's keys; how many were applied.
@@ -163,6 +170,7 @@ impl Call for ApplyMany<'_> {
             tombstone_copy_ms: Value::Integer(super::ms(l.tombstone_copy)),
             grace_ms: Value::Integer(super::ms(l.grace)),
             now: Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
+            always_fence: Value::Integer(i64::from(l.always_fence)),
         }
         .into_vec();
         args.reserve(self.items.len() * Item::<()>::NAMES.len());
@@ -205,6 +213,7 @@ mod contract {
             tombstone: MINUTE,
             tombstone_copy: MINUTE,
             grace,
+            always_fence: false,
         }
     }
 
@@ -277,6 +286,44 @@ mod contract {
         // Seen again (another instance, a replay): skipped, but the
         // unfenced item's change is applied again (nothing remembered it).
         assert_eq!(run(&client, &apply).await, 1);
+        clean(&client, &prefix).await;
+    }
+
+    #[tokio::test]
+    async fn the_replication_feed_fences_every_change_and_never_moves_a_fence_back() {
+        let (client, prefix) = redis().await;
+        let names = Names::new(&prefix, "post");
+        let idle = names.item(5);
+        let tombstone = Entry::new(Status::NotFound, &[], MINUTE, Duration::ZERO);
+        let apply = |change: i64| {
+            let (client, idle, tombstone) = (&client, &idle, &tombstone);
+            async move {
+                let items = [(idle, change, ChangeKind::Changed)];
+                let apply = ApplyMany {
+                    items: &items,
+                    tombstone,
+                    lifetimes: ApplyFor {
+                        always_fence: true,
+                        ..lifetimes(Duration::ZERO)
+                    },
+                };
+                run(client, &apply).await
+            }
+        };
+        // Nothing stored and no leader: fenced all the same, for a load
+        // from a replica that must have replayed the change.
+        assert_eq!(apply(700).await, 1);
+        let fence: Option<String> = client.get(&idle.fence).await.unwrap();
+        assert_eq!(fence.as_deref(), Some("700"));
+        let ttl: i64 = client.pttl(&idle.fence).await.unwrap();
+        assert!(ttl > 0 && ttl <= 60_000, "{ttl}");
+        assert_eq!(apply(900).await, 1);
+        // A decoder taking over replays from the slot's confirmed position:
+        // the earlier change, remembered as applied, does not move the
+        // fence back.
+        assert_eq!(apply(700).await, 0);
+        let fence: Option<String> = client.get(&idle.fence).await.unwrap();
+        assert_eq!(fence.as_deref(), Some("900"));
         clean(&client, &prefix).await;
     }
 

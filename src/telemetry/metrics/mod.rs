@@ -230,6 +230,28 @@ pub fn feed_lag_seconds(seconds: f64) {
 }
 
 /// The change feed's task ended (a panic) and was started again.
+/// A load (or batch) read from a replica.
+pub fn routed_to_replica(keys: usize) {
+    counter!(REPLICA_ROUTED, "to" => "replica", "reason" => "caught_up").increment(keys as u64);
+}
+
+/// Keys loaded from the primary although replicas are set, and why.
+pub fn routed_to_primary(reason: &'static str, keys: usize) {
+    counter!(REPLICA_ROUTED, "to" => "primary", "reason" => reason).increment(keys as u64);
+}
+
+/// A replica's state, as its probe saw it.
+pub fn replica(name: &str, up: bool, lag_seconds: Option<f64>, lag_bytes: Option<u64>) {
+    let name = name.to_owned();
+    gauge!(REPLICA_UP, "replica" => name.clone()).set(if up { 1.0 } else { 0.0 });
+    if let Some(seconds) = lag_seconds {
+        gauge!(REPLICA_LAG_SECONDS, "replica" => name.clone()).set(seconds);
+    }
+    if let Some(bytes) = lag_bytes {
+        gauge!(REPLICA_LAG_BYTES, "replica" => name).set(bytes as f64);
+    }
+}
+
 pub fn feed_restarted() {
     counter!(FEED_RESTARTS).increment(1);
 }

@@ -105,6 +105,21 @@ pub const GUARD_BYTES: &str = "postcache_guard_bytes";
 /// How long the existence guard's last build took, seconds.
 pub const GUARD_BUILD: &str = "postcache_guard_build_seconds";
 
+/// DATABASE_REPLICA_URLS: loads by where they were read, `to`: `replica`
+/// (`reason` `caught_up`: it had replayed the key's last change),
+/// or `primary` with why (`reason`: `behind`, the key changed past what
+/// every replica in rotation had replayed; `no_replica`, none in rotation
+/// or the change feed not up in replication mode; `failed`, the replicas
+/// tried failed).
+pub const REPLICA_ROUTED: &str = "postcache_replica_routed_total";
+/// Per replica (`replica`): whether it is in the rotation (1) or not.
+pub const REPLICA_UP: &str = "postcache_replica_up";
+/// Per replica: seconds of commits on the primary it has not replayed
+/// (measured every second against the primary's WAL position).
+pub const REPLICA_LAG_SECONDS: &str = "postcache_replica_lag_seconds";
+/// Per replica: bytes of WAL between the primary's position and its replay.
+pub const REPLICA_LAG_BYTES: &str = "postcache_replica_lag_bytes";
+
 /// Every metric name, for checks that dashboards name only what exists.
 pub const ALL: &[&str] = &[
     REQUESTS,
@@ -146,6 +161,10 @@ pub const ALL: &[&str] = &[
     FEED_GAPS,
     FEED_LAG_BYTES,
     FEED_LAG_SECONDS,
+    REPLICA_ROUTED,
+    REPLICA_UP,
+    REPLICA_LAG_SECONDS,
+    REPLICA_LAG_BYTES,
 ];
 
 pub(super) fn describe() {
@@ -254,6 +273,24 @@ pub(super) fn describe() {
     describe_counter!(
         FEED_RESTARTS,
         "Times the change feed's task ended (a panic) and was started again."
+    );
+    describe_counter!(
+        REPLICA_ROUTED,
+        "Loads by where they were read: a replica, or the primary and why."
+    );
+    describe_gauge!(
+        REPLICA_UP,
+        "Whether the replica is in the rotation (1) or not (0)."
+    );
+    describe_gauge!(
+        REPLICA_LAG_SECONDS,
+        Unit::Seconds,
+        "Seconds of the primary's commits the replica has not replayed."
+    );
+    describe_gauge!(
+        REPLICA_LAG_BYTES,
+        Unit::Bytes,
+        "Bytes of WAL between the primary's position and the replica's replay."
     );
     describe_gauge!(
         DECODER_HELD,

@@ -69,10 +69,46 @@ pub fn connect_probe(settings: &DatabaseSettings, timeout: Duration) -> anyhow::
         .connect_lazy_with(options))
 }
 
+/// Longest a load waits for a replica's connection before it goes on to
+/// the next replica or the primary.
+const REPLICA_ACQUIRE_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// A read replica's pools (DATABASE_REPLICA_URLS): the loads', of
+/// DB_MAX_CONNECTIONS like the primary's, and the probe's one connection
+/// (named `postcache-replica-probe`), given up on after `timeout`. Its
+/// name for logs and metrics: host:port/database, never the password.
+pub fn connect_replica(
+    settings: &DatabaseSettings,
+    url: &str,
+    timeout: Duration,
+) -> anyhow::Result<(String, PgPool, PgPool)> {
+    let options = url_options(settings, url).context("invalid URL in DATABASE_REPLICA_URLS")?;
+    let name = format!(
+        "{}:{}/{}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or("")
+    );
+    // Short: a replica that cannot be reached costs a load this long
+    // before it fails over (the probe takes it out within a second).
+    let pool = PgPoolOptions::new()
+        .max_connections(settings.db_max_connections)
+        .acquire_timeout(settings.db_acquire_timeout.min(REPLICA_ACQUIRE_TIMEOUT))
+        .connect_lazy_with(options.clone());
+    let probe = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(timeout)
+        .connect_lazy_with(options.application_name("postcache-replica-probe"));
+    Ok((name, pool, probe))
+}
+
 fn connect_options(settings: &DatabaseSettings) -> anyhow::Result<PgConnectOptions> {
+    url_options(settings, &settings.database_url).context("invalid DATABASE_URL")
+}
+
+fn url_options(settings: &DatabaseSettings, url: &str) -> anyhow::Result<PgConnectOptions> {
     let timeout_ms = settings.db_statement_timeout.as_millis().max(1).to_string();
-    Ok(PgConnectOptions::from_str(&settings.database_url)
-        .context("invalid DATABASE_URL")?
+    Ok(PgConnectOptions::from_str(url)?
         .application_name("postcache")
         .options([
             ("statement_timeout", timeout_ms.as_str()),

@@ -1,0 +1,283 @@
+//! Loads from read replicas (DATABASE_REPLICA_URLS): a private primary and
+//! streaming standby per test, started here. A replica that has not
+//! replayed a key's last change never gives its old row; a replica down or
+//! lagging past REPLICA_MAX_LAG leaves the rotation and loads go to the
+//! primary; batch loads follow the rule per key; a promoted standby goes on
+//! serving.
+
+use std::time::Duration;
+
+use fred::interfaces::KeysInterface;
+use postcache::testkit::{available, wait_until, PgServer, TestApp, TestEnv, A_WHILE};
+
+/// A private primary, its standby, and a world on the primary. Dropped in
+/// this order: the world's database first, the servers last.
+struct Replicated {
+    env: TestEnv,
+    standby: PgServer,
+    primary: PgServer,
+}
+
+impl Replicated {
+    /// `None` (the test skipped) where PostgreSQL's programs are missing,
+    /// outside CI.
+    async fn start(posts: u64, standby_conf: &[&str]) -> Option<Self> {
+        if !available("initdb and pg_basebackup", PgServer::available()) {
+            return None;
+        }
+        let primary = PgServer::primary().await;
+        let env = TestEnv::on_server(posts, primary.url()).await;
+        let standby = PgServer::standby_of(&primary, standby_conf).await;
+        Some(Self {
+            env,
+            standby,
+            primary,
+        })
+    }
+
+    fn replica_url(&self) -> String {
+        format!("{}/{}", self.standby.url(), self.env.db_name)
+    }
+
+    /// An instance reading the standby, the feed in replication mode.
+    async fn spawn(&self, max_lag: &str) -> TestApp {
+        let replica = self.replica_url();
+        let app = self
+            .env
+            .spawn(&[
+                "--change-feed",
+                "replication",
+                "--database-replica-urls",
+                &replica,
+                "--replica-max-lag",
+                max_lag,
+            ])
+            .await;
+        until_replica(&app, "up").await;
+        app
+    }
+
+    /// The title of post `id` as the standby has it now.
+    async fn standby_title(&self, id: i64) -> String {
+        let pool = sqlx::PgPool::connect(&self.replica_url()).await.unwrap();
+        let title = sqlx::query_scalar("select title from posts where id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+        title
+    }
+
+    /// Waits until the change feed has applied a change to post `id`
+    /// (every change is fenced in replication mode, cached or not).
+    async fn until_fenced(&self, id: i64) {
+        let fence = self.env.keys.fence(id);
+        wait_until("the change feed to fence the post", A_WHILE, async || {
+            self.env.pttl(&fence).await > 0
+        })
+        .await;
+    }
+}
+
+async fn readyz(app: &TestApp) -> serde_json::Value {
+    app.get("/readyz").await.json()
+}
+
+async fn until_replica(app: &TestApp, state: &str) {
+    wait_until(&format!("the replica to be {state}"), A_WHILE, async || {
+        let ready = readyz(app).await;
+        ready["change_feed"] == "up" && ready["replicas"][0]["state"] == state
+    })
+    .await;
+}
+
+async fn routed(app: &TestApp, to: &str, reason: &str) -> f64 {
+    app.http
+        .metric(&format!(
+            "postcache_replica_routed_total{{to=\"{to}\",reason=\"{reason}\"}}"
+        ))
+        .await
+}
+
+async fn title(app: &TestApp, path: &str) -> String {
+    let reply = app.get(path).await;
+    assert_eq!(reply.status, 200, "{path}: {}", reply.text());
+    reply.json()["title"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lagging_replica_never_gives_a_changed_post_its_old_row() {
+    let Some(r) = Replicated::start(20, &["recovery_min_apply_delay = '2s'"]).await else {
+        return;
+    };
+    let app = r.spawn("5s").await;
+    // Keys with no recent change: read from the replica.
+    let served = routed(&app, "replica", "caught_up").await;
+    let original = title(&app, "/posts/1").await;
+    assert_eq!(app.get("/posts/3").await.status, 200);
+    assert_eq!(routed(&app, "replica", "caught_up").await, served + 2.0);
+    assert_ne!(original, "changed-1");
+
+    // Post 1 is cached, post 2 is not: both change, and the feed fences
+    // both while the standby still holds the old rows.
+    r.env.retitle(1, "changed-1").await;
+    r.env.retitle(2, "changed-2").await;
+    r.until_fenced(1).await;
+    r.until_fenced(2).await;
+    assert_ne!(r.standby_title(1).await, "changed-1", "the standby lags");
+    assert_ne!(r.standby_title(2).await, "changed-2", "the standby lags");
+
+    let behind = routed(&app, "primary", "behind").await;
+    assert_eq!(title(&app, "/posts/1").await, "changed-1");
+    assert_eq!(title(&app, "/posts/2").await, "changed-2");
+    assert_eq!(routed(&app, "primary", "behind").await, behind + 2.0);
+    // What was stored is the new row: served again, from the cache.
+    for id in [1, 2] {
+        let stored = r.env.stored(id).await.expect("stored");
+        let body: serde_json::Value = serde_json::from_slice(&stored.body()).unwrap();
+        assert_eq!(body["title"], format!("changed-{id}"));
+    }
+
+    // Once the standby has replayed the change, the fenced key is read
+    // there again.
+    r.standby.until_replayed(&r.primary, &r.env.db_name).await;
+    let served = routed(&app, "replica", "caught_up").await;
+    wait_until(
+        "a fenced key to be read from the replica",
+        A_WHILE,
+        async || {
+            let _: i64 = r.env.redis.del(r.env.keys.value(1)).await.unwrap();
+            assert_eq!(title(&app, "/posts/1").await, "changed-1");
+            routed(&app, "replica", "caught_up").await > served
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_loads_follow_the_rule_per_key() {
+    let Some(r) = Replicated::start(20, &["recovery_min_apply_delay = '2s'"]).await else {
+        return;
+    };
+    let app = r.spawn("5s").await;
+    r.env.retitle(3, "changed-3").await;
+    r.env.retitle(7, "changed-7").await;
+    r.until_fenced(3).await;
+    r.until_fenced(7).await;
+    assert_ne!(r.standby_title(7).await, "changed-7", "the standby lags");
+
+    let (served, behind) = (
+        routed(&app, "replica", "caught_up").await,
+        routed(&app, "primary", "behind").await,
+    );
+    let reply = app.get("/posts?ids=1,2,3,4,5,6,7,8,9,10").await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let posts = reply.json()["posts"].as_array().unwrap().clone();
+    assert_eq!(posts.len(), 10);
+    for post in &posts {
+        let id = post["id"].as_i64().unwrap();
+        if id == 3 || id == 7 {
+            assert_eq!(post["title"], format!("changed-{id}"));
+        } else {
+            assert_ne!(post["title"].as_str().unwrap(), format!("changed-{id}"));
+        }
+    }
+    assert_eq!(routed(&app, "primary", "behind").await, behind + 2.0);
+    assert_eq!(routed(&app, "replica", "caught_up").await, served + 8.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_that_goes_down_leaves_the_rotation_and_comes_back() {
+    let Some(mut r) = Replicated::start(60, &[]).await else {
+        return;
+    };
+    let app = r.spawn("5s").await;
+    let served = routed(&app, "replica", "caught_up").await;
+    assert_eq!(app.get("/posts/1").await.status, 200);
+    assert_eq!(routed(&app, "replica", "caught_up").await, served + 1.0);
+
+    r.standby.stop();
+    // Every load is answered, from the primary, while the replica is down.
+    for id in 2..=30 {
+        let reply = app.get(&format!("/posts/{id}")).await;
+        assert_eq!(reply.status, 200, "post {id}: {}", reply.text());
+    }
+    until_replica(&app, "down").await;
+    let primary = routed(&app, "primary", "no_replica").await;
+    assert_eq!(app.get("/posts/31").await.status, 200);
+    assert_eq!(routed(&app, "primary", "no_replica").await, primary + 1.0);
+
+    r.standby.start().await;
+    until_replica(&app, "up").await;
+    let served = routed(&app, "replica", "caught_up").await;
+    assert_eq!(app.get("/posts/40").await.status, 200);
+    assert_eq!(routed(&app, "replica", "caught_up").await, served + 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_lagging_past_the_bound_leaves_the_rotation() {
+    let Some(r) = Replicated::start(100, &["recovery_min_apply_delay = '3s'"]).await else {
+        return;
+    };
+    let app = r.spawn("1s").await;
+    // Commits keep coming: the standby trails them by its 3 s delay.
+    let writer = {
+        let admin = r.env.admin.clone();
+        tokio::spawn(async move {
+            for n in 0..200 {
+                sqlx::query("update posts set title = $1 where id = 100")
+                    .bind(format!("write {n}"))
+                    .execute(&admin)
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    until_replica(&app, "lagging").await;
+    let ready = readyz(&app).await;
+    assert!(
+        ready["replicas"][0]["lag_seconds"].as_f64().unwrap() > 1.0,
+        "{ready}"
+    );
+    assert!(
+        ready["replicas"][0]["lag_bytes"].as_u64().unwrap() > 0,
+        "{ready}"
+    );
+    let served = routed(&app, "replica", "caught_up").await;
+    for id in 1..=20 {
+        assert_eq!(app.get(&format!("/posts/{id}")).await.status, 200);
+    }
+    assert_eq!(
+        routed(&app, "replica", "caught_up").await,
+        served,
+        "nothing read from a replica out of the rotation"
+    );
+    writer.abort();
+    // The writes stop: it catches up and comes back.
+    until_replica(&app, "up").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_promoted_standby_goes_on_serving() {
+    let Some(r) = Replicated::start(20, &[]).await else {
+        return;
+    };
+    let app = r.spawn("5s").await;
+    assert_eq!(app.get("/posts/1").await.status, 200);
+    let before = readyz(&app).await;
+
+    r.standby.promote().await;
+    let served = routed(&app, "replica", "caught_up").await;
+    for id in 2..=20 {
+        let reply = app.get(&format!("/posts/{id}")).await;
+        assert_eq!(reply.status, 200, "post {id}: {}", reply.text());
+    }
+    // Read as a primary: its position is its WAL insert position, past
+    // what it replayed, so it never went backwards and it stays in the
+    // rotation while the old primary writes nothing.
+    assert_eq!(routed(&app, "replica", "caught_up").await, served + 19.0);
+    let after = readyz(&app).await;
+    assert_eq!(after["replicas"][0]["state"], "up", "{before} → {after}");
+}
