@@ -486,7 +486,6 @@ fn connect_replicas(args: &ServeArgs) -> anyhow::Result<Option<Arc<Replicas>>> {
         replicas,
         primary,
         args.replica_max_lag,
-        args.fence_ttl(),
     ))))
 }
 

@@ -54,10 +54,7 @@ use connection::{refusal, Refusal};
 
 use super::fanout::{self, Beats, Entry, BEAT_STALE};
 use crate::{
-    config::DatabaseSettings,
-    flight::{ReadPath, Since},
-    posts::PostStore,
-    redis::RaiseCutoff,
+    config::DatabaseSettings, flight::ReadPath, posts::PostStore, redis::RaiseCutoff,
     telemetry::metrics,
 };
 
@@ -231,16 +228,7 @@ impl Candidate {
             return Ok(());
         };
         let why = GapWhy::parse(&why);
-        // Every change the gap may hold committed before now: a read replica
-        // that has replayed this far has them all (unread, the primary only).
-        let now: Option<i64> =
-            sqlx::query_scalar("select (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
-                .fetch_one(&self.pool)
-                .await
-                .ok();
-        let cutoff = self
-            .all_posts(now.and_then(|lsn| u64::try_from(lsn).ok()).unwrap_or(0))
-            .await?;
+        let cutoff = self.all_posts(0).await?;
         redis.close_gap(&key).await?;
         metrics::feed_gap(why.as_str());
         tracing::warn!(
@@ -314,10 +302,6 @@ impl Candidate {
     async fn all_posts(&self, lsn: u64) -> anyhow::Result<u64> {
         let redis = self.read_path.redis();
         let change = (lsn > 0).then_some(lsn as i64);
-        // Before the cutoff: from now on this instance's loads from replicas
-        // must have replayed it (a gap's LSN is unknown: the primary only).
-        self.read_path
-            .all_changed(change.map_or(Since::PRIMARY, |_| Since(lsn)));
         let cutoff = match change {
             Some(change) => self.read_path.invalidate_all(change).await?,
             None => {
