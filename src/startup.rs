@@ -486,6 +486,7 @@ fn connect_replicas(args: &ServeArgs) -> anyhow::Result<Option<Arc<Replicas>>> {
         replicas,
         primary,
         args.replica_max_lag,
+        args.fence_ttl(),
     ))))
 }
 

@@ -31,7 +31,7 @@ use std::{
 use fred::prelude::*;
 
 use crate::{
-    flight::ReadPath,
+    flight::{ReadPath, Since},
     posts::PostStore,
     redis::{RedisCommands, RedisError},
 };
@@ -265,6 +265,12 @@ impl Reader {
                 if entry.is_none() {
                     tracing::warn!(key = self.key, "an entry of the change stream does not read as one; forgetting the memory tier");
                 }
+                // Before the cutoff: loads from replicas must have replayed it.
+                let since = match entry {
+                    Some(Entry::All { lsn }) if lsn > 0 => Since(lsn),
+                    _ => Since::PRIMARY,
+                };
+                self.read_path.all_changed(since);
                 if let Err(error) = self.read_path.follow_cutoff().await {
                     tracing::debug!(%error, "could not read the cutoff");
                 }

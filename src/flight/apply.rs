@@ -121,6 +121,12 @@ impl<S: Source> ReadPath<S> {
         }
     }
 
+    /// Every item changed at `since` (see [`Source::all_changed`]): told
+    /// before the cutoff is raised or followed.
+    pub fn all_changed(&self, since: super::Since) {
+        self.loader.source().all_changed(since);
+    }
+
     /// This process's memory tier forgets everything, and the existence
     /// guard stands aside until built again.
     pub fn forget_all(&self) {

@@ -50,6 +50,11 @@ impl<S: Source> Loader<S> {
         }
     }
 
+    /// The source itself.
+    pub fn source(&self) -> &S {
+        self.source.source()
+    }
+
     /// Every item's ordinal, for the existence guard (see guard.rs).
     pub async fn ordinals(&self) -> Result<Option<roaring::RoaringTreemap>, super::LoadError> {
         self.source.source().ordinals().await

@@ -156,6 +156,12 @@ pub trait Source: Send + Sync + 'static {
         async { Ok(None) }
     }
 
+    /// Every item changed at `since` (a change too large to fence item by
+    /// item, or a gap in the feed: [`Since::PRIMARY`] when its LSN is not
+    /// known): every load must include it for the fence's lifetime, as if
+    /// each item were fenced with it. The default does nothing.
+    fn all_changed(&self, _since: Since) {}
+
     /// The bodies of those of `keys` that exist, in one statement (the
     /// keys are distinct; see `batch.rs`), each read so as to include its
     /// [`Since`].

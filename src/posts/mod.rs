@@ -174,6 +174,12 @@ impl crate::flight::Source for PostStore {
         }
     }
 
+    fn all_changed(&self, since: Since) {
+        if let Some(replicas) = &self.replicas {
+            replicas.all_changed(since);
+        }
+    }
+
     fn ordinal(id: &i64) -> Option<u64> {
         u64::try_from(*id).ok()
     }

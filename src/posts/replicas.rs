@@ -21,6 +21,13 @@
 //!   REPLICA_MAX_LAG + [`PROBE_FRESH`], which the settings keep below that
 //!   lifetime (refused at start otherwise), so any replica in the rotation
 //!   will do.
+//! - A change to every post (a transaction past the feed's bound on rows,
+//!   TRUNCATE, a gap) raises the cutoff instead of fencing keys: every load
+//!   then must include its LSN (a gap's is unknown: the primary only) for
+//!   the fence's lifetime, from the moment this instance learns of it (the
+//!   decoder's own instance before it raises the cutoff; the others from
+//!   the fleet's stream, within milliseconds: a load that starts from a
+//!   replica in those milliseconds may still read the old row).
 //! - Replicas are read only while the change feed is up in replication
 //!   mode: other modes' fences are no LSNs, and with the feed down no fence
 //!   is set.
@@ -124,6 +131,11 @@ pub struct Replicas {
     feed_up: AtomicBool,
     /// The primary's WAL insert positions, oldest first.
     history: Mutex<VecDeque<(Instant, u64)>>,
+    /// A change to every post (a transaction too large to fence post by
+    /// post, TRUNCATE, a gap in the feed): every load must include it
+    /// until the fence's lifetime has passed, as if each key were fenced.
+    floor: Mutex<Option<(Since, Instant)>>,
+    fence_ttl: Duration,
 }
 
 /// Where a load's keys were read.
@@ -149,11 +161,13 @@ struct Row {
 
 impl Replicas {
     /// `replicas`: (name, the loads' pool, the probe's pool) each;
-    /// `primary`: a connection of the probe's to the primary.
+    /// `primary`: a connection of the probe's to the primary; `fence_ttl`:
+    /// how long a change's fence lives.
     pub fn new(
         replicas: Vec<(String, PgPool, PgPool)>,
         primary: PgPool,
         max_lag: Duration,
+        fence_ttl: Duration,
     ) -> Self {
         Self {
             replicas: replicas
@@ -175,6 +189,26 @@ impl Replicas {
             next: AtomicUsize::new(0),
             feed_up: AtomicBool::new(false),
             history: Mutex::new(VecDeque::new()),
+            floor: Mutex::new(None),
+            fence_ttl,
+        }
+    }
+
+    /// Every post changed at `since` (see the field `floor`).
+    pub fn all_changed(&self, since: Since) {
+        let mut floor = self.floor.lock().unwrap_or_else(PoisonError::into_inner);
+        let since = match *floor {
+            Some((held, at)) if at.elapsed() < self.fence_ttl => held.max(since),
+            _ => since,
+        };
+        *floor = Some((since, Instant::now()));
+    }
+
+    /// What every load must include now, whatever its key's fence.
+    fn floor(&self) -> Since {
+        match *self.floor.lock().unwrap_or_else(PoisonError::into_inner) {
+            Some((since, at)) if at.elapsed() < self.fence_ttl => since,
+            _ => Since::ANY,
         }
     }
 
@@ -199,7 +233,11 @@ impl Replicas {
     /// Reads what it can of `keys` from replicas (see the module): the
     /// posts found there, and the keys left for the primary.
     pub(super) async fn read(&self, keys: &[(i64, Since)]) -> Routed {
-        let mut left: Vec<(i64, Since)> = keys.to_vec();
+        let floor = self.floor();
+        let mut left: Vec<(i64, Since)> = keys
+            .iter()
+            .map(|&(id, since)| (id, since.max(floor)))
+            .collect();
         let mut found = Vec::new();
         if !self.feed_up.load(Ordering::Relaxed) {
             metrics::routed_to_primary("no_replica", left.len());

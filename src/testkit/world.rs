@@ -50,9 +50,9 @@ impl TestEnv {
     }
 
     /// A database with posts 1..=posts seeded on `server` (a private
-    /// PostgreSQL: see [`super::PgServer`]), on the shared Redis.
-    pub async fn on_server(posts: u64, server: String) -> Self {
-        Self::build(posts, server, redis_url(), true).await
+    /// PostgreSQL: see [`super::PgServer`]), on `redis_url`.
+    pub async fn on_server(posts: u64, server: String, redis_url: String) -> Self {
+        Self::build(posts, server, redis_url, true).await
     }
 
     /// As [`TestEnv::with_redis`] for a Redis that may be down: the test's own

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use fred::interfaces::KeysInterface;
-use postcache::testkit::{available, wait_until, PgServer, TestApp, TestEnv, A_WHILE};
+use postcache::testkit::{available, redis_url, wait_until, PgServer, TestApp, TestEnv, A_WHILE};
 
 /// A private primary, its standby, and a world on the primary. Dropped in
 /// this order: the world's database first, the servers last.
@@ -26,7 +26,7 @@ impl Replicated {
             return None;
         }
         let primary = PgServer::primary().await;
-        let env = TestEnv::on_server(posts, primary.url()).await;
+        let env = TestEnv::on_server(posts, primary.url(), redis_url()).await;
         let standby = PgServer::standby_of(&primary, standby_conf).await;
         Some(Self {
             env,
@@ -153,6 +153,35 @@ async fn a_lagging_replica_never_gives_a_changed_post_its_old_row() {
         },
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_change_to_every_post_is_not_read_from_a_replica_behind_it() {
+    // Past the feed's bound on rows per transaction (10,000): the feed
+    // raises the cutoff rather than fencing each post.
+    let Some(r) = Replicated::start(10_001, &["recovery_min_apply_delay = '2s'"]).await else {
+        return;
+    };
+    let app = r.spawn("5s").await;
+    let original = title(&app, "/posts/1").await;
+    sqlx::query("update posts set title = 'after'")
+        .execute(&r.env.admin)
+        .await
+        .unwrap();
+    let committed = std::time::Instant::now();
+    wait_until("the new row to be served", A_WHILE, async || {
+        let now = title(&app, "/posts/1").await;
+        assert!(now == original || now == "after", "{now}");
+        now == "after"
+    })
+    .await;
+    let served_after = committed.elapsed();
+    assert_ne!(
+        r.standby_title(1).await,
+        "after",
+        "the standby lags (served {served_after:?} after the commit)"
+    );
+    assert_eq!(title(&app, "/posts/2").await, "after");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -20,6 +20,7 @@ use crate::{
         fanout::{self, Entry, BEAT_EVERY},
         pgoutput::{self, Layouts, Message},
     },
+    flight::Since,
     redis::ChangeKind,
     telemetry::metrics,
 };
@@ -117,7 +118,7 @@ impl Candidate {
                     server_end = server_end.max(end_lsn);
                     if tx.all {
                         self.flush(&mut batch, &mut progress).await?;
-                        self.all_posts(end_lsn.0).await?;
+                        self.all_posts(Some(end_lsn.0), Since(end_lsn.0)).await?;
                         metrics::change_applied("all", since_commit(tx.commit_time_micros));
                         // Every post: what waited is covered.
                         progress.retry.clear();
@@ -259,7 +260,7 @@ impl Candidate {
                 waiting = progress.retry.len(),
                 "too many changes wait for Redis: every post is invalidated instead"
             );
-            self.all_posts(lsn.0).await?;
+            self.all_posts(Some(lsn.0), Since(lsn.0)).await?;
             progress.retry.clear();
         }
         if !ids.is_empty() {

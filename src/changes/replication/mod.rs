@@ -54,7 +54,10 @@ use connection::{refusal, Refusal};
 
 use super::fanout::{self, Beats, Entry, BEAT_STALE};
 use crate::{
-    config::DatabaseSettings, flight::ReadPath, posts::PostStore, redis::RaiseCutoff,
+    config::DatabaseSettings,
+    flight::{ReadPath, Since},
+    posts::PostStore,
+    redis::RaiseCutoff,
     telemetry::metrics,
 };
 
@@ -228,7 +231,17 @@ impl Candidate {
             return Ok(());
         };
         let why = GapWhy::parse(&why);
-        let cutoff = self.all_posts(0).await?;
+        // Every change the gap may hold committed before now: a read replica
+        // that has replayed this far has them all (unread: the primary only).
+        let now: Option<i64> =
+            sqlx::query_scalar("select (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+                .fetch_one(&self.pool)
+                .await
+                .ok();
+        let floor = now
+            .and_then(|lsn| u64::try_from(lsn).ok())
+            .map_or(Since::PRIMARY, Since);
+        let cutoff = self.all_posts(None, floor).await?;
         redis.close_gap(&key).await?;
         metrics::feed_gap(why.as_str());
         tracing::warn!(
@@ -297,12 +310,15 @@ impl Candidate {
         result
     }
 
-    /// Raises the cutoff for change `lsn` and says so on the stream; the
-    /// cutoff in force.
-    async fn all_posts(&self, lsn: u64) -> anyhow::Result<u64> {
+    /// Raises the cutoff, for `change` (a commit LSN) or for a gap (none),
+    /// and says so on the stream; the cutoff in force. `floor`: what every
+    /// load from a read replica must include from now on.
+    async fn all_posts(&self, change: Option<u64>, floor: Since) -> anyhow::Result<u64> {
         let redis = self.read_path.redis();
-        let change = (lsn > 0).then_some(lsn as i64);
-        let cutoff = match change {
+        // Before the cutoff: from now on this instance's loads from replicas
+        // must have replayed it.
+        self.read_path.all_changed(floor);
+        let cutoff = match change.and_then(|lsn| i64::try_from(lsn).ok()) {
             Some(change) => self.read_path.invalidate_all(change).await?,
             None => {
                 let keys = self.read_path.keys();
@@ -319,6 +335,8 @@ impl Candidate {
                 cutoff
             }
         };
+        // The followers take `lsn` as their floor (0: the primary only).
+        let lsn = if floor == Since::PRIMARY { 0 } else { floor.0 };
         fanout::append(redis, &self.stream_key, &Entry::All { lsn }).await?;
         Ok(cutoff)
     }
