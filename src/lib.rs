@@ -17,7 +17,8 @@
 //! - [`posts`] — the post: its id (parsed wherever one arrives), its JSON
 //!   and its SQL; every `timestamptz` PostgreSQL holds (`infinity`, BC
 //!   years) as JSON; loads from read replicas that have replayed each
-//!   key's last change (`replicas.rs`).
+//!   key's last change (`replicas.rs`, and after a change to every post
+//!   `floor.rs`).
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`flight`] — the protocol, generic over what it loads:
 //!   look up → judge (`freshness.rs`) → in-process flight (`local.rs`) →

@@ -33,7 +33,7 @@ use fred::prelude::*;
 use crate::{
     flight::{ReadPath, Since},
     posts::PostStore,
-    redis::{RedisCommands, RedisError},
+    redis::{ChangeKind, RedisCommands, RedisError},
 };
 
 /// How often the decoder appends a beat while it keeps up.
@@ -49,6 +49,9 @@ const BLOCK: Duration = Duration::from_millis(1000);
 const READ_COUNT: u64 = 500;
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
+/// Posts fenced per script after a change to every post (see
+/// `Reader::fence_suspects`).
+const FENCED_TOGETHER: usize = 256;
 
 /// What one entry of the stream says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,8 +65,9 @@ pub enum Entry {
         deleted: Vec<i64>,
     },
     /// Every post (a TRUNCATE, a transaction past the bound, a gap): the
-    /// cutoff was raised.
-    All { lsn: u64 },
+    /// cutoff was raised to `cutoff` (unix ms; 0 in an entry without the
+    /// field), for the change at `lsn` (0: not known).
+    All { lsn: u64, cutoff: u64 },
     /// The decoder keeps up: it has applied everything to `lsn`, and the
     /// server's WAL is `behind` bytes further.
     Beat { lsn: u64, behind: u64 },
@@ -81,7 +85,11 @@ impl Entry {
                 }
                 fields
             }
-            Entry::All { lsn } => vec![("lsn", lsn.to_string()), ("all", "1".into())],
+            Entry::All { lsn, cutoff } => vec![
+                ("lsn", lsn.to_string()),
+                ("all", "1".into()),
+                ("cutoff", cutoff.to_string()),
+            ],
             Entry::Beat { lsn, behind } => {
                 vec![("lsn", lsn.to_string()), ("beat", behind.to_string())]
             }
@@ -99,7 +107,11 @@ impl Entry {
             });
         }
         if fields.contains_key("all") {
-            return Some(Entry::All { lsn });
+            let cutoff = match fields.get("cutoff") {
+                Some(cutoff) => cutoff.parse().ok()?,
+                None => 0,
+            };
+            return Some(Entry::All { lsn, cutoff });
         }
         let list = |ids: &str| -> Option<Vec<i64>> {
             if ids.is_empty() {
@@ -265,18 +277,80 @@ impl Reader {
                 if entry.is_none() {
                     tracing::warn!(key = self.key, "an entry of the change stream does not read as one; forgetting the memory tier");
                 }
-                // Before the cutoff: loads from replicas must have replayed it.
-                let since = match entry {
-                    Some(Entry::All { lsn }) if lsn > 0 => Since(lsn),
-                    _ => Since::PRIMARY,
+                // From now on loads from replicas must have replayed it.
+                let (since, cutoff) = match entry {
+                    Some(Entry::All { lsn, cutoff }) if lsn > 0 => (Since(lsn), cutoff),
+                    Some(Entry::All { cutoff, .. }) => (Since::PRIMARY, cutoff),
+                    _ => (Since::PRIMARY, 0),
                 };
-                self.read_path.all_changed(since);
+                let suspects = self.read_path.all_changed(since, cutoff);
                 if let Err(error) = self.read_path.follow_cutoff().await {
                     tracing::debug!(%error, "could not read the cutoff");
                 }
                 self.read_path.forget_all();
+                self.fence_suspects(suspects, since).await;
             }
         }
+    }
+}
+
+impl Reader {
+    /// Fences the keys this instance read from a replica behind a change to
+    /// every post, between the cutoff and now (see `posts/floor.rs`), with
+    /// that change, and tells the fleet's memory tiers; if they are not
+    /// known (or cannot be fenced), raises the cutoff again.
+    async fn fence_suspects(&self, suspects: Option<Vec<i64>>, since: Since) {
+        let fenced = match suspects {
+            Some(ids) if ids.is_empty() => return,
+            Some(ids) => self.fence(&ids, since).await.map(|()| ids),
+            None => Err(anyhow::anyhow!("the keys read from replicas are not known")),
+        };
+        match fenced {
+            Ok(ids) => {
+                tracing::info!(
+                    posts = ids.len(),
+                    lsn = since.0,
+                    "fenced the posts read from a replica behind a change to every post"
+                );
+                let entry = Entry::Posts {
+                    lsn: since.0,
+                    ids,
+                    deleted: Vec::new(),
+                };
+                if let Err(error) = append(self.read_path.redis(), &self.key, &entry).await {
+                    tracing::warn!(%error, "could not tell the fleet of the fenced posts");
+                }
+            }
+            Err(error) => {
+                tracing::warn!(
+                    error = format!("{error:#}"),
+                    "posts read from a replica behind a change to every post: raising the cutoff again"
+                );
+                if let Err(error) = self.read_path.invalidate_all_now().await {
+                    tracing::warn!(%error, "could not raise the cutoff");
+                }
+            }
+        }
+    }
+
+    async fn fence(&self, ids: &[i64], since: Since) -> anyhow::Result<()> {
+        let change = i64::try_from(since.0)?;
+        if self.read_path.redis().applies_together() {
+            for chunk in ids.chunks(FENCED_TOGETHER) {
+                let items: Vec<_> = chunk
+                    .iter()
+                    .map(|&id| (id, change, ChangeKind::Changed))
+                    .collect();
+                self.read_path.invalidate_many_in_redis(&items).await?;
+            }
+        } else {
+            for &id in ids {
+                self.read_path
+                    .invalidate_in_redis(&id, change, ChangeKind::Changed)
+                    .await?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -321,7 +395,10 @@ mod tests {
                 ids: vec![],
                 deleted: vec![],
             },
-            Entry::All { lsn: 9 },
+            Entry::All {
+                lsn: 9,
+                cutoff: 1_700_000_000_000,
+            },
             Entry::Beat {
                 lsn: 9,
                 behind: 120,

@@ -49,13 +49,16 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
     let recorded = outbox::record(&pool, ids)
         .await
         .context("failed to record the changes in post_changes (is the database migrated?)")?;
+    // Where the primary's WAL is now: read replicas that have replayed it
+    // have every change made before (see `posts/floor.rs`); 0 if unknown.
+    let lsn = db::wal_position(&pool).await.unwrap_or(0);
     pool.close().await;
     if args.all {
         let (change, _) = recorded[0];
         let cutoff = apply::raise_cutoff(&redis, &keys, change)
             .await
             .context("failed to raise the cutoff in Redis")?;
-        tell_the_stream(&redis, &keys, Entry::All { lsn: 0 }).await?;
+        tell_the_stream(&redis, &keys, Entry::All { lsn, cutoff }).await?;
         return Ok(Invalidated::All { cutoff });
     }
     let mut done = Vec::with_capacity(recorded.len());

@@ -121,10 +121,11 @@ impl<S: Source> ReadPath<S> {
         }
     }
 
-    /// Every item changed at `since` (see [`Source::all_changed`]): told
-    /// before the cutoff is raised or followed.
-    pub fn all_changed(&self, since: super::Since) {
-        self.loader.source().all_changed(since);
+    /// Every item changed at `since`, the cutoff raised to `cutoff` for it
+    /// (see [`Source::all_changed`]); the decoder's instance tells it before
+    /// it raises the cutoff.
+    pub fn all_changed(&self, since: super::Since, cutoff: u64) -> Option<Vec<S::Key>> {
+        self.loader.source().all_changed(since, cutoff)
     }
 
     /// This process's memory tier forgets everything, and the existence
@@ -147,6 +148,26 @@ impl<S: Source> ReadPath<S> {
         let cutoff = raise_cutoff(&self.redis, &self.keys, change).await;
         self.memory.clear();
         self.guard.stand_aside();
+        let cutoff = cutoff?;
+        self.cutoff.fetch_max(cutoff, Ordering::Relaxed);
+        Ok(cutoff)
+    }
+
+    /// Invalidates everything read before now, for no change in
+    /// particular (a gap in the feed, or a doubt): the fleet's cutoff in
+    /// Redis is raised to now, and this process's follows and forgets.
+    /// Returns the cutoff in force.
+    pub async fn invalidate_all_now(&self) -> Result<u64, RedisError> {
+        let (cutoff, applied) = (self.keys.cutoff(), self.keys.cutoffs_applied());
+        let raise = RaiseCutoff {
+            cutoff: &cutoff,
+            applied: &applied,
+            to: now_millis(),
+            change: None,
+            remember: Duration::from_secs(1),
+        };
+        let cutoff = self.redis.eval(&raise).await;
+        self.forget_all();
         let cutoff = cutoff?;
         self.cutoff.fetch_max(cutoff, Ordering::Relaxed);
         Ok(cutoff)

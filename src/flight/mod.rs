@@ -158,9 +158,15 @@ pub trait Source: Send + Sync + 'static {
 
     /// Every item changed at `since` (a change too large to fence item by
     /// item, or a gap in the feed: [`Since::PRIMARY`] when its LSN is not
-    /// known): every load must include it for the fence's lifetime, as if
-    /// each item were fenced with it. The default does nothing.
-    fn all_changed(&self, _since: Since) {}
+    /// known), the fleet's cutoff raised to `cutoff` (unix ms) for it:
+    /// every load must include it for the fence's lifetime, as if each item
+    /// were fenced with it. Returns the keys read lately, at or after the
+    /// cutoff, from a copy that had not replayed it, for the caller to fence
+    /// with the change (`None`: not known; the caller raises the cutoff
+    /// again). The default: none.
+    fn all_changed(&self, _since: Since, _cutoff: u64) -> Option<Vec<Self::Key>> {
+        Some(Vec::new())
+    }
 
     /// The bodies of those of `keys` that exist, in one statement (the
     /// keys are distinct; see `batch.rs`), each read so as to include its

@@ -1,5 +1,6 @@
 //! The post: its id, its type, its JSON and its SQL.
 
+mod floor;
 mod id;
 mod replicas;
 mod timestamp;
@@ -174,9 +175,11 @@ impl crate::flight::Source for PostStore {
         }
     }
 
-    fn all_changed(&self, since: Since) {
-        if let Some(replicas) = &self.replicas {
-            replicas.all_changed(since);
+    fn all_changed(&self, since: Since, cutoff: u64) -> Option<Vec<i64>> {
+        match self.replicas.as_ref().map(|r| r.all_changed(since, cutoff)) {
+            None => Some(Vec::new()),
+            Some(floor::Suspects::Keys(keys)) => Some(keys),
+            Some(floor::Suspects::Unknown) => None,
         }
     }
 

@@ -23,11 +23,9 @@
 //!   will do.
 //! - A change to every post (a transaction past the feed's bound on rows,
 //!   TRUNCATE, a gap) raises the cutoff instead of fencing keys: every load
-//!   then must include its LSN (a gap's is unknown: the primary only) for
-//!   the fence's lifetime, from the moment this instance learns of it (the
-//!   decoder's own instance before it raises the cutoff; the others from
-//!   the fleet's stream, within milliseconds: a load that starts from a
-//!   replica in those milliseconds may still read the old row).
+//!   then must include its LSN for the fence's lifetime, and the keys read
+//!   from a replica behind it in the milliseconds before this instance
+//!   learnt of it are fenced after the fact (see floor.rs).
 //! - Replicas are read only while the change feed is up in replication
 //!   mode: other modes' fences are no LSNs, and with the feed down no fence
 //!   is set.
@@ -52,15 +50,18 @@ use std::{
     collections::{HashSet, VecDeque},
     sync::{
         atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering},
-        Mutex, PoisonError,
+        Mutex, MutexGuard, PoisonError,
     },
     time::{Duration, Instant},
 };
 
 use sqlx::PgPool;
 
-use super::Post;
-use crate::{flight::Since, telemetry::metrics};
+use super::{
+    floor::{Floor, Suspects},
+    Post,
+};
+use crate::{cache::now_millis, flight::Since, telemetry::metrics};
 
 /// How often the probe runs.
 pub const PROBE_EVERY: Duration = Duration::from_secs(1);
@@ -131,11 +132,9 @@ pub struct Replicas {
     feed_up: AtomicBool,
     /// The primary's WAL insert positions, oldest first.
     history: Mutex<VecDeque<(Instant, u64)>>,
-    /// A change to every post (a transaction too large to fence post by
-    /// post, TRUNCATE, a gap in the feed): every load must include it
-    /// until the fence's lifetime has passed, as if each key were fenced.
-    floor: Mutex<Option<(Since, Instant)>>,
-    fence_ttl: Duration,
+    /// What every load must include after a change to every post, and the
+    /// keys served lately (see floor.rs).
+    floor: Mutex<Floor>,
 }
 
 /// Where a load's keys were read.
@@ -189,27 +188,18 @@ impl Replicas {
             next: AtomicUsize::new(0),
             feed_up: AtomicBool::new(false),
             history: Mutex::new(VecDeque::new()),
-            floor: Mutex::new(None),
-            fence_ttl,
+            floor: Mutex::new(Floor::new(fence_ttl)),
         }
     }
 
-    /// Every post changed at `since` (see the field `floor`).
-    pub fn all_changed(&self, since: Since) {
-        let mut floor = self.floor.lock().unwrap_or_else(PoisonError::into_inner);
-        let since = match *floor {
-            Some((held, at)) if at.elapsed() < self.fence_ttl => held.max(since),
-            _ => since,
-        };
-        *floor = Some((since, Instant::now()));
+    /// Every post changed at `since`, the fleet's cutoff raised to `cutoff`
+    /// for it: see [`Floor::all_changed`].
+    pub fn all_changed(&self, since: Since, cutoff: u64) -> Suspects {
+        self.lock_floor().all_changed(since, cutoff, now_millis())
     }
 
-    /// What every load must include now, whatever its key's fence.
-    fn floor(&self) -> Since {
-        match *self.floor.lock().unwrap_or_else(PoisonError::into_inner) {
-            Some((since, at)) if at.elapsed() < self.fence_ttl => since,
-            _ => Since::ANY,
-        }
+    fn lock_floor(&self) -> MutexGuard<'_, Floor> {
+        self.floor.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Whether the change feed is up in replication mode (see the module).
@@ -233,7 +223,7 @@ impl Replicas {
     /// Reads what it can of `keys` from replicas (see the module): the
     /// posts found there, and the keys left for the primary.
     pub(super) async fn read(&self, keys: &[(i64, Since)]) -> Routed {
-        let floor = self.floor();
+        let floor = self.lock_floor().get();
         let mut left: Vec<(i64, Since)> = keys
             .iter()
             .map(|&(id, since)| (id, since.max(floor)))
@@ -274,10 +264,15 @@ impl Replicas {
                 Ok((replayed, posts)) => {
                     replica.failures.store(0, Ordering::Relaxed);
                     replica.replayed.fetch_max(replayed, Ordering::Relaxed);
-                    // Per key: served here only if its change was replayed.
-                    let served = |since: Since| since.0 <= replayed;
+                    // Per key: served here only if its change was replayed,
+                    // by the floor as it is now (see floor.rs).
                     let before = left.len();
-                    left.retain(|(id, since)| !(asked.contains(id) && served(*since)));
+                    let mut floor = self.lock_floor();
+                    let now = now_millis();
+                    left.retain(|&(id, since)| {
+                        !(asked.contains(&id) && floor.serve(id, since, replayed, now))
+                    });
+                    drop(floor);
                     let done = before - left.len();
                     let behind: HashSet<i64> = left.iter().map(|(id, _)| *id).collect();
                     found.extend(posts.into_iter().filter(|post| !behind.contains(&post.id)));
@@ -368,17 +363,10 @@ impl Replicas {
     /// The primary's position, then each replica's; their lags; the rotation.
     pub async fn probe(&self) {
         let sampled = Instant::now();
-        let primary = tokio::time::timeout(
-            PROBE_TIMEOUT,
-            sqlx::query_scalar::<_, i64>(
-                "select (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint",
-            )
-            .fetch_one(&self.primary),
-        )
-        .await;
+        let primary =
+            tokio::time::timeout(PROBE_TIMEOUT, crate::db::wal_position(&self.primary)).await;
         let current = match primary {
             Ok(Ok(lsn)) => {
-                let lsn = u64::try_from(lsn).unwrap_or(0);
                 let mut history = self.history.lock().unwrap_or_else(PoisonError::into_inner);
                 history.push_back((sampled, lsn));
                 while history

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use fred::interfaces::KeysInterface;
+use fred::interfaces::{KeysInterface, StreamsInterface};
 use postcache::testkit::{available, redis_url, wait_until, PgServer, TestApp, TestEnv, A_WHILE};
 
 /// A private primary, its standby, and a world on the primary. Dropped in
@@ -182,6 +182,64 @@ async fn a_change_to_every_post_is_not_read_from_a_replica_behind_it() {
         "the standby lags (served {served_after:?} after the commit)"
     );
     assert_eq!(title(&app, "/posts/2").await, "after");
+}
+
+/// The race the fleet's stream leaves after a change to every post: an
+/// instance reads a post from a lagging replica after the decoder raised the
+/// cutoff, before the stream brings the news. Simulated by appending the
+/// decoder's entry (with the position and a cutoff before that read) only
+/// after the read: the post is fenced with the change, and read again where
+/// the change is replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_post_read_from_a_lagging_replica_before_news_of_a_change_to_every_post_is_fenced() {
+    let Some(r) = Replicated::start(20, &["recovery_min_apply_delay = '2s'"]).await else {
+        return;
+    };
+    let app = r.spawn("5s").await;
+    // A commit the standby has not replayed, and the WAL position after it.
+    r.env.retitle(7, "changed-7").await;
+    let lsn = postcache::db::wal_position(&r.env.admin).await.unwrap();
+    let cutoff = postcache::cache::now_millis();
+    r.until_fenced(7).await;
+
+    let served = routed(&app, "replica", "caught_up").await;
+    assert_eq!(app.get("/posts/3").await.status, 200);
+    assert_eq!(routed(&app, "replica", "caught_up").await, served + 1.0);
+    assert!(r.env.stored(3).await.is_some());
+    let fence = r.env.keys.fence(3);
+    assert!(
+        r.env.pttl(&fence).await < 0,
+        "post 3 has no change of its own"
+    );
+
+    let _: String = r
+        .env
+        .redis
+        .xadd(
+            r.env.keys.change_stream(),
+            false,
+            None,
+            "*",
+            vec![
+                ("lsn", lsn.to_string()),
+                ("all", "1".to_owned()),
+                ("cutoff", cutoff.to_string()),
+            ],
+        )
+        .await
+        .unwrap();
+    wait_until("post 3 to be fenced with the change", A_WHILE, async || {
+        let fenced: Option<String> = r.env.redis.get(&fence).await.unwrap();
+        fenced == Some(lsn.to_string())
+    })
+    .await;
+    assert!(
+        r.env.stored(3).await.is_none(),
+        "the value read from the lagging replica is gone"
+    );
+    let behind = routed(&app, "primary", "behind").await;
+    assert_eq!(app.get("/posts/3").await.status, 200);
+    assert_eq!(routed(&app, "primary", "behind").await, behind + 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

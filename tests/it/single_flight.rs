@@ -35,15 +35,17 @@ async fn a_value_written_from_outside_without_publish_is_found_by_the_recheck() 
         .await;
     // The outsider's value lands after the waiter's first GET and before its
     // re-check, and nobody publishes: only the re-check can find it.
+    // Read then (not before the instance starts, whose change feed may raise
+    // the cutoff as it takes a fresh slot).
     let writer = env.redis.clone();
-    let entry = Entry::new(
-        Status::Found,
-        br#"{"id":4,"from":"outside"}"#,
-        Duration::from_secs(60),
-        Duration::ZERO,
-    );
     let hooks = Hooks {
         before_recheck: Some(Arc::new(move |key: String| {
+            let entry = Entry::new(
+                Status::Found,
+                br#"{"id":4,"from":"outside"}"#,
+                Duration::from_secs(60),
+                Duration::ZERO,
+            );
             let (writer, raw) = (writer.clone(), entry.raw().clone());
             Box::pin(async move {
                 let _: () = writer

@@ -57,7 +57,6 @@ use crate::{
     config::DatabaseSettings,
     flight::{ReadPath, Since},
     posts::PostStore,
-    redis::RaiseCutoff,
     telemetry::metrics,
 };
 
@@ -233,13 +232,8 @@ impl Candidate {
         let why = GapWhy::parse(&why);
         // Every change the gap may hold committed before now: a read replica
         // that has replayed this far has them all (unread: the primary only).
-        let now: Option<i64> =
-            sqlx::query_scalar("select (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
-                .fetch_one(&self.pool)
-                .await
-                .ok();
-        let floor = now
-            .and_then(|lsn| u64::try_from(lsn).ok())
+        let floor = crate::db::wal_position(&self.pool)
+            .await
             .map_or(Since::PRIMARY, Since);
         let cutoff = self.all_posts(None, floor).await?;
         redis.close_gap(&key).await?;
@@ -316,28 +310,16 @@ impl Candidate {
     async fn all_posts(&self, change: Option<u64>, floor: Since) -> anyhow::Result<u64> {
         let redis = self.read_path.redis();
         // Before the cutoff: from now on this instance's loads from replicas
-        // must have replayed it.
-        self.read_path.all_changed(floor);
+        // must have replayed it; what they read before is stale by the
+        // cutoff (no key to fence: see posts/floor.rs).
+        self.read_path.all_changed(floor, u64::MAX);
         let cutoff = match change.and_then(|lsn| i64::try_from(lsn).ok()) {
             Some(change) => self.read_path.invalidate_all(change).await?,
-            None => {
-                let keys = self.read_path.keys();
-                let (cutoff, applied) = (keys.cutoff(), keys.cutoffs_applied());
-                let raise = RaiseCutoff {
-                    cutoff: &cutoff,
-                    applied: &applied,
-                    to: crate::cache::now_millis(),
-                    change: None,
-                    remember: Duration::from_secs(1),
-                };
-                let cutoff = redis.eval(&raise).await?;
-                self.read_path.forget_all();
-                cutoff
-            }
+            None => self.read_path.invalidate_all_now().await?,
         };
         // The followers take `lsn` as their floor (0: the primary only).
         let lsn = if floor == Since::PRIMARY { 0 } else { floor.0 };
-        fanout::append(redis, &self.stream_key, &Entry::All { lsn }).await?;
+        fanout::append(redis, &self.stream_key, &Entry::All { lsn, cutoff }).await?;
         Ok(cutoff)
     }
 
