@@ -105,6 +105,7 @@ impl Floor {
         if since.max(self.get()).0 > replayed {
             return false;
         }
+        self.forget_old(now);
         self.served.push_back((key, replayed, now));
         if self.served.len() > REMEMBERED_MAX {
             if let Some((_, _, at)) = self.served.pop_front() {
