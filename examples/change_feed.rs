@@ -27,7 +27,7 @@ use std::{
 };
 
 use futures::future::join_all;
-use postcache::testkit::{Http, RedisServer, SteadyLoad, TestEnv, Zipf};
+use postcache::testkit::{quantile, Http, RedisServer, SteadyLoad, TestEnv, Zipf};
 
 const POSTS: u64 = 1000;
 const HOT: i64 = 20;
@@ -81,11 +81,6 @@ async fn probe(http: Http, id: i64, wanted: u64, committed: Instant) -> Probe {
         fresh_after,
         old_after_new,
     }
-}
-
-fn quantile(sorted: &[Duration], q: f64) -> Duration {
-    let at = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[at.min(sorted.len() - 1)]
 }
 
 fn ms(d: Duration) -> String {

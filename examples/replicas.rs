@@ -24,7 +24,9 @@ use std::{
 };
 
 use futures::future::join_all;
-use postcache::testkit::{Http, PgServer, RedisServer, ServiceProcess, SteadyLoad, TestEnv, Zipf};
+use postcache::testkit::{
+    quantile, Http, PgServer, RedisServer, ServiceProcess, SteadyLoad, TestEnv, Zipf,
+};
 
 const POSTS: u64 = 1000;
 const HOT: i64 = 20;
@@ -100,14 +102,6 @@ async fn routed(fleet: &[ServiceProcess]) -> BTreeMap<String, f64> {
         }
     }
     routed
-}
-
-fn quantile(sorted: &[Duration], q: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let at = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[at.min(sorted.len() - 1)]
 }
 
 fn ms(d: Duration) -> String {

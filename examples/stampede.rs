@@ -27,7 +27,7 @@ use fred::{clients::SubscriberClient, prelude::*};
 use futures::future::join_all;
 use postcache::{
     flight::{Hooks, WaitEnd},
-    testkit::{fire, TableLock, TestApp, TestEnv, PATIENT},
+    testkit::{fire, quantile, TableLock, TestApp, TestEnv, PATIENT},
 };
 
 struct Args {
@@ -70,13 +70,6 @@ async fn commandstats(redis: &Client) -> HashMap<String, u64> {
             Some((name.to_owned(), calls.parse().ok()?))
         })
         .collect()
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 fn ms(d: Duration) -> String {
@@ -172,10 +165,10 @@ async fn main() {
             cmds as f64 / a.requests as f64,
             count("miss"),
             count("coalesced"),
-            ms(percentile(&woken, 1.0)),
+            ms(quantile(&woken, 1.0)),
             woken.len(),
-            ms(percentile(&after, 0.5)),
-            ms(percentile(&after, 0.99)),
+            ms(quantile(&after, 0.5)),
+            ms(quantile(&after, 0.99)),
         );
         all_wakes.extend(woken);
         all_after.extend(after);
@@ -191,11 +184,11 @@ async fn main() {
         total_reads.iter().min().unwrap(),
         total_reads.iter().max().unwrap(),
         total_cmds as f64 / (a.requests * a.rounds) as f64,
-        ms(percentile(&all_wakes, 0.5)),
-        ms(percentile(&all_wakes, 0.99)),
+        ms(quantile(&all_wakes, 0.5)),
+        ms(quantile(&all_wakes, 0.99)),
         all_wakes.len(),
-        ms(percentile(&all_after, 0.5)),
-        ms(percentile(&all_after, 0.99)),
+        ms(quantile(&all_after, 0.5)),
+        ms(quantile(&all_after, 0.99)),
     );
 }
 

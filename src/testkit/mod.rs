@@ -30,7 +30,7 @@ use std::{
 
 pub use database::{blocked_loads, TableLock};
 pub use http::{answered, fire, in_progress, metric, Http, Reply, TestApp};
-pub use load::{Record, Sample, SteadyLoad, Zipf};
+pub use load::{quantile, Record, Sample, SteadyLoad, Zipf};
 pub use postgres::PgServer;
 pub use process::{ServiceProcess, TcpProxy};
 pub use redis::{RedisCluster, RedisServer};
