@@ -295,7 +295,7 @@ impl<'a, S: Source> Leader<'a, S> {
             cutoff: path.cutoff(),
             sharded: path.redis.sharded(),
         };
-        match path.redis.eval(&finish).await {
+        match path.redis.finish(&finish).await {
             Ok(finished) => {
                 let led = self.finished(finished, entry, too_large);
                 self.held.handed_over();

@@ -9,13 +9,16 @@ use fred::{
     prelude::*,
     types::{Expiration, SetOptions},
 };
+use tokio::sync::oneshot;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::{
     breaker::State,
+    coalesce::{again, queued_reply, Turn},
     error::{error_label, guarded, is_moved, RedisError},
-    nodes::{self, Nodes},
-    scripts::{ms, Call, Claim, Claimed, Scripts},
+    nodes::{self, Node, Nodes},
+    queued::{QueuedClaim, QueuedFinish, QueuedGet},
+    scripts::{ms, Call, Claim, ClaimKeys, ClaimMany, Claimed, Finish, Finished, Scripts},
 };
 use crate::{
     cache::{Entry, ItemKeys},
@@ -65,6 +68,17 @@ impl RedisCommands {
             timeout,
             scripts: Scripts::new(),
         }
+    }
+
+    /// REDIS_TIMEOUT.
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The node serving `key` (for tests).
+    #[cfg(test)]
+    pub(super) fn node_of(&self, key: &str) -> Arc<Node> {
+        self.nodes.for_key(key)
     }
 
     /// Starts the connections' upkeep (see [`nodes::keep`]): the scripts
@@ -185,12 +199,70 @@ impl RedisCommands {
     }
 
     /// GET a value key and decode it. Bytes that are not an entry count as
-    /// absent: the next store overwrites them.
+    /// absent: the next store overwrites them. Batched naturally with the
+    /// node's other lookups (see `coalesce.rs`).
     pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
-        let raw: Option<Bytes> = self
-            .bounded(key, |c| async move { c.get(key).await })
-            .await?;
+        let node = self.nodes.for_key(key);
+        let turn = node.gets.turn(self, &node, || {
+            let (reply, answer) = oneshot::channel();
+            let key = key.to_owned();
+            (QueuedGet { key, reply }, answer)
+        });
+        let raw = match turn {
+            Turn::Lead(baton) => {
+                let raw = self.get_raw(key).await;
+                drop(baton);
+                raw
+            }
+            Turn::Queued(answer) => queued_reply(self, answer).await,
+        }?;
         Ok(decoded(key, raw))
+    }
+
+    /// One GET, unbatched.
+    async fn get_raw(&self, key: &str) -> Result<Option<Bytes>, RedisError> {
+        self.bounded(key, |c| async move { c.get(key).await }).await
+    }
+
+    /// The raw values of `names`, all served by `node`, in one round trip:
+    /// an MGET on a single Redis, a pipeline of GETs on a cluster node (a
+    /// node's keys are in many slots, which one MGET cannot span). Under
+    /// the node's breaker and REDIS_TIMEOUT. If the node refuses the batch
+    /// (a MOVED: a slot has moved), each key is read on its own, which
+    /// follows the redirection and gives each key its own error.
+    pub(super) async fn read_node(
+        &self,
+        node: &Node,
+        names: &[&str],
+    ) -> Vec<Result<Option<Bytes>, RedisError>> {
+        if let [name] = names {
+            return vec![self.get_raw(name).await];
+        }
+        metrics::redis_call();
+        let sent = Box::pin(async {
+            if self.sharded {
+                let pipeline = node.client.pipeline();
+                for name in names {
+                    pipeline.get::<(), _>(*name).await?;
+                }
+                pipeline.all::<Vec<Option<Bytes>>>().await
+            } else {
+                node.client
+                    .mget::<Vec<Option<Bytes>>, _>(names.to_vec())
+                    .await
+            }
+        });
+        match guarded(&node.breaker, self.timeout, sent).await {
+            Ok(raws) if raws.len() == names.len() => raws.into_iter().map(Ok).collect(),
+            Ok(_) => names
+                .iter()
+                .map(|_| Err(RedisError::Reply("mget")))
+                .collect(),
+            Err(RedisError::Command(_)) => {
+                futures::future::join_all(names.iter().map(|name| self.get_raw(name))).await
+            }
+            Err(error) => names.iter().map(|_| Err(again(&error))).collect(),
+        }
     }
 
     /// SET a value with a TTL (the strategies without a lock).
@@ -204,14 +276,10 @@ impl RedisCommands {
         .await
     }
 
-    /// The entries of many value keys, in one round trip per node: an MGET
-    /// on a single Redis, a pipeline of GETs on each node of a cluster (a
-    /// node's keys are in many slots, which one MGET cannot span). Each
-    /// node's read is under its breaker and REDIS_TIMEOUT; the keys of a
-    /// node whose read fails are read one by one (which follows a MOVED and
-    /// gives each key its own error).
+    /// The entries of many value keys, in one round trip per node (see
+    /// [`RedisCommands::read_node`]).
     pub async fn lookup_many(&self, keys: &[String]) -> Vec<Result<Option<Entry>, RedisError>> {
-        let mut groups: Vec<(Arc<nodes::Node>, Vec<usize>)> = Vec::new();
+        let mut groups: Vec<(Arc<Node>, Vec<usize>)> = Vec::new();
         for (at, key) in keys.iter().enumerate() {
             let node = self.nodes.for_key(key);
             match groups.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
@@ -221,48 +289,13 @@ impl RedisCommands {
         }
         let reads = groups.iter().map(|(node, members)| async move {
             let names: Vec<&str> = members.iter().map(|&at| keys[at].as_str()).collect();
-            metrics::redis_call();
-            let sent = Box::pin(async {
-                if self.sharded {
-                    let pipeline = node.client.pipeline();
-                    for name in &names {
-                        pipeline.get::<(), _>(*name).await?;
-                    }
-                    pipeline.all::<Vec<Option<Bytes>>>().await
-                } else {
-                    node.client
-                        .mget::<Vec<Option<Bytes>>, _>(names.clone())
-                        .await
-                }
-            });
-            let read = guarded(&node.breaker, self.timeout, sent).await;
-            (members, read)
+            (members, self.read_node(node, &names).await)
         });
         let mut found: Vec<Option<Result<Option<Entry>, RedisError>>> =
             keys.iter().map(|_| None).collect();
-        for (members, read) in futures::future::join_all(reads).await {
-            match read {
-                Ok(raws) if raws.len() == members.len() => {
-                    for (&at, raw) in members.iter().zip(raws) {
-                        found[at] = Some(Ok(decoded(&keys[at], raw)));
-                    }
-                }
-                Err(RedisError::CircuitOpen) => {
-                    for &at in members {
-                        found[at] = Some(Err(RedisError::CircuitOpen));
-                    }
-                }
-                Ok(_) => {
-                    for &at in members {
-                        found[at] = Some(Err(RedisError::Reply("mget")));
-                    }
-                }
-                Err(_) => {
-                    let each = members.iter().map(|&at| self.lookup(&keys[at]));
-                    for (&at, read) in members.iter().zip(futures::future::join_all(each).await) {
-                        found[at] = Some(read);
-                    }
-                }
+        for (members, looked) in futures::future::join_all(reads).await {
+            for (&at, raw) in members.iter().zip(looked) {
+                found[at] = Some(raw.map(|raw| decoded(&keys[at], raw)));
             }
         }
         found
@@ -282,12 +315,50 @@ impl RedisCommands {
         ttl: Duration,
     ) -> Result<Option<Before>, RedisError> {
         let claim = Claim { keys, token, ttl };
-        let claimed = self.script(&claim, true).await?;
+        let claimed = if self.sharded {
+            self.script(&claim, true).await
+        } else {
+            // Batched naturally with the node's other claims.
+            let node = self.nodes.for_key(&keys.lock);
+            let turn = node.claims.turn(self, &node, || {
+                let (reply, answer) = oneshot::channel();
+                let (keys, token) = (ClaimKeys::of(keys), token.to_owned());
+                (
+                    QueuedClaim {
+                        keys,
+                        token,
+                        ttl,
+                        reply,
+                    },
+                    answer,
+                )
+            });
+            match turn {
+                Turn::Lead(baton) => {
+                    let claimed = self.script(&claim, true).await;
+                    drop(baton);
+                    claimed
+                }
+                Turn::Queued(answer) => queued_reply(self, answer).await,
+            }
+        }?;
         metrics::lock_election(claimed.is_some());
         Ok(claimed.map(|Claimed { value, fence }| Before {
             entry: decoded(&keys.value, value),
             fence,
         }))
+    }
+
+    /// The claims of `items` (on a single Redis) in one call of the claim
+    /// script for many: each one's reply, in their order.
+    pub(super) async fn claim_batch(
+        &self,
+        items: &[(&ClaimKeys, &str, Duration)],
+    ) -> Vec<Result<Option<Claimed>, RedisError>> {
+        match self.script(&ClaimMany { items }, true).await {
+            Ok(claims) => claims.into_iter().map(Ok).collect(),
+            Err(error) => items.iter().map(|_| Err(again(&error))).collect(),
+        }
     }
 
     /// PTTL of a lock.
@@ -309,6 +380,39 @@ impl RedisCommands {
     /// (see [`RedisCommands::unrefused`]).
     pub async fn eval<C: Call>(&self, call: &C) -> Result<C::Reply, RedisError> {
         self.script(call, false).await
+    }
+
+    /// A leader's finish (see [`Finish`]), under REDIS_TIMEOUT but not the
+    /// breaker, as [`RedisCommands::eval`]. On a single Redis, batched
+    /// naturally with the node's other finishes (see `coalesce.rs`).
+    pub async fn finish(&self, finish: &Finish<'_>) -> Result<Finished, RedisError> {
+        if self.sharded {
+            return self.eval(finish).await;
+        }
+        let node = self.nodes.for_key(&finish.keys.value);
+        let turn = node.finishes.turn(self, &node, || {
+            let (reply, answer) = oneshot::channel();
+            let keys = finish.keys().into_iter().map(str::to_owned).collect();
+            (
+                QueuedFinish {
+                    keys,
+                    args: finish.args(),
+                    reply,
+                },
+                answer,
+            )
+        });
+        match turn {
+            Turn::Lead(baton) => {
+                let finished = self.eval(finish).await;
+                drop(baton);
+                finished
+            }
+            Turn::Queued(answer) => {
+                let reply = queued_reply(self, answer).await?;
+                finish.reply(reply).ok_or(RedisError::Reply("finish"))
+            }
+        }
     }
 
     /// A script's call on the node of its first key, under the breaker if

@@ -24,6 +24,10 @@ pub enum RedisError {
     /// another version loaded under the same name, or a bug).
     #[error("the {0} script gave an unexpected reply")]
     Reply(&'static str),
+    /// A batched read's task ended without answering (the runtime shutting
+    /// down).
+    #[error("a batched redis read was abandoned")]
+    Abandoned,
 }
 
 /// The first pause before a step of upkeep (a finish, a release, a script

@@ -7,10 +7,12 @@
 //! the protocol that uses it (`flight`).
 
 mod breaker;
+mod coalesce;
 mod commands;
 mod error;
 mod inspect;
 mod nodes;
+mod queued;
 pub mod scripts;
 mod subscriber;
 

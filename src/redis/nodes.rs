@@ -34,6 +34,8 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::{
     breaker::{Breaker, State},
+    coalesce::Coalescer,
+    queued::{QueuedClaim, QueuedFinish, QueuedGet},
     scripts::{self, Scripts},
 };
 use crate::telemetry::metrics;
@@ -46,6 +48,10 @@ const QUIT_LIMIT: Duration = Duration::from_secs(2);
 pub struct Node {
     pub client: Client,
     pub breaker: Breaker,
+    /// Its lookups, claims and finishes, each batched (see `coalesce.rs`).
+    pub(super) gets: Coalescer<QueuedGet>,
+    pub(super) claims: Coalescer<QueuedClaim>,
+    pub(super) finishes: Coalescer<QueuedFinish>,
     /// Tasks that stop with the node: the upkeep (the scripts loaded on each
     /// of the client's new connections, then the breaker closed) and, for a
     /// cluster node's own client, its connection (aborted even while it
@@ -59,6 +65,9 @@ impl Node {
         Arc::new(Self {
             client,
             breaker: Breaker::default(),
+            gets: Coalescer::default(),
+            claims: Coalescer::default(),
+            finishes: Coalescer::default(),
             tasks: std::sync::Mutex::default(),
             connection: std::sync::Mutex::default(),
         })

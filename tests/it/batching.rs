@@ -11,7 +11,7 @@ use futures::future::join_all;
 use postcache::{
     cache::Status,
     flight::Hooks,
-    testkit::{wait_until, TableLock, TestApp, TestEnv, A_WHILE, PATIENT},
+    testkit::{wait_until, RedisServer, TableLock, TestApp, TestEnv, A_WHILE, PATIENT},
 };
 use tokio::sync::Semaphore;
 
@@ -199,4 +199,42 @@ async fn a_key_fenced_mid_batch_reads_again_and_the_others_are_stored() {
     // The held one, the batch, and post 5 read again.
     let sent = statements(&a).await - statements_before;
     assert!(sent <= 3.0, "{sent} statements");
+}
+
+/// 100 cold misses arriving together on one instance: their lookups,
+/// claims and finishes go out to Redis in batches (an MGET, one script call
+/// for many items), not one round trip each: at most one per miss where
+/// each costs three without batching (GET, claim, finish). Every post is
+/// served as itself, by its own leader. Redis is paused for a moment (a
+/// private one) so that the lookups are all queued behind the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queued_lookups_claims_and_finishes_share_round_trips() {
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(100, redis.url()).await;
+    let app = env
+        .spawn(&batched(&["--change-feed", "off", "--redis-timeout", "2s"]))
+        .await;
+    let calls = async || app.http.metric("postcache_redis_calls_total").await;
+    let before = calls().await;
+
+    redis.cli(&["client", "pause", "300", "all"]);
+    let requests: Vec<_> = (1..=100)
+        .map(|id| app.http.spawn_get(&format!("/posts/{id}")))
+        .collect();
+    for (id, request) in (1..=100).zip(requests) {
+        let (reply, _) = request.await.unwrap();
+        assert_eq!(reply.status, 200, "post {id}");
+        assert_eq!(reply.json()["id"], id);
+        assert_eq!(reply.x_cache.as_deref(), Some("miss"), "post {id}");
+    }
+
+    let round_trips = calls().await - before;
+    assert!(
+        round_trips <= 100.0,
+        "{round_trips} Redis round trips for 100 misses"
+    );
+    for id in 1..=100 {
+        assert!(env.stored(id).await.is_some(), "post {id} stored");
+        assert_eq!(env.pttl(&env.keys.lock(id)).await, -2, "post {id} released");
+    }
 }

@@ -91,9 +91,9 @@ async fn a_redis_restarted_empty_under_load_costs_no_error_and_the_hit_ratio_is_
     assert_recovered(&record, fault, back);
 }
 
-/// The read path's scripts: finish, release, abandon, extend, apply, apply
-/// many, raise the cutoff.
-const SCRIPTS: u32 = 7;
+/// The scripts: claim and finish (each also for many items), release,
+/// abandon, extend, apply, raise the cutoff.
+const SCRIPTS: u32 = 9;
 
 /// How many scripts a server holds.
 fn cached_scripts(info_memory: &str) -> Option<u32> {

@@ -36,7 +36,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::{prelude::*, types::scripts::Script};
 
-use super::{layout, prologue, with_layout, Call, Scripts, RETRY};
+use super::{for_each_item, layout, prologue, with_layout, Call, Scripts, RETRY};
 use crate::cache::{now_millis, Entry, ItemKeys};
 
 layout! {
@@ -75,9 +75,22 @@ layout! {
 
 const FINISH_LUA: &str = include_str!("finish.lua");
 
-/// The script: the prologue naming KEYS and ARGV, then `finish.lua`.
+/// The script: the prologue naming KEYS and ARGV, `finish.lua`, then its call.
 pub(super) fn lua() -> String {
-    prologue(Keys::<()>::NAMES, Argv::<()>::NAMES) + &with_layout(FINISH_LUA)
+    prologue(Keys::<()>::NAMES, Argv::<()>::NAMES)
+        + &with_layout(FINISH_LUA)
+        + "return finish_one(K, A)\n"
+}
+
+/// `finish.lua`, then the loop that calls `finish_one` for each item sent:
+/// the replies in the items' order.
+pub(super) fn many_lua() -> String {
+    for_each_item(
+        &with_layout(FINISH_LUA),
+        "finish_one",
+        Keys::<()>::NAMES,
+        Argv::<()>::NAMES,
+    )
 }
 
 /// Lifetimes the finish stores with (0: do not store that key), decided by
@@ -177,6 +190,47 @@ impl Call for Finish<'_> {
     }
 }
 
+/// Finishes of many items in one call (their keys on one Redis; not a
+/// cluster, where different items' keys are in different slots): each
+/// item's KEYS and ARGV as its [`Finish`] made them.
+pub struct FinishMany<'a> {
+    pub items: &'a [(&'a [String], &'a [Value])],
+}
+
+impl Call for FinishMany<'_> {
+    /// Each item's reply, unparsed (its [`Finish`] parses it), in order.
+    type Reply = Vec<Value>;
+
+    fn name(&self) -> &'static str {
+        "finish"
+    }
+
+    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
+        &scripts.finish_many
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.items
+            .iter()
+            .flat_map(|(keys, _)| keys.iter().map(String::as_str))
+            .collect()
+    }
+
+    fn args(&self) -> Vec<Value> {
+        self.items
+            .iter()
+            .flat_map(|(_, args)| args.iter().cloned())
+            .collect()
+    }
+
+    fn reply(&self, value: Value) -> Option<Vec<Value>> {
+        let Value::Array(replies) = value else {
+            return None;
+        };
+        (replies.len() == self.items.len()).then_some(replies)
+    }
+}
+
 /// The finish on a real Redis, through every reply it gives.
 #[cfg(test)]
 mod contract {
@@ -264,6 +318,65 @@ mod contract {
         assert_eq!(get(&client, &keys.fail_safe).await.as_ref(), Some(&entry));
         let lock: Option<String> = client.get(&keys.lock).await.unwrap();
         assert_eq!(lock, None);
+        clean(&client, &prefix).await;
+    }
+
+    #[tokio::test]
+    async fn many_finishes_in_one_call_each_do_what_their_own_would() {
+        let (client, prefix) = redis().await;
+        let names = Names::new(&prefix, "post");
+        let (held, fenced, lost) = (names.item(11), names.item(12), names.item(13));
+        let (new, old, stored) = (found("new"), found("before the change"), found("theirs"));
+        put(&client, &held.lock, "ours").await;
+        put(&client, &fenced.lock, "ours").await;
+        put(&client, &fenced.fence, "7").await;
+        put(&client, &lost.lock, "theirs").await;
+        put(&client, &lost.value, stored.raw().clone()).await;
+        let finishes = [
+            finish(&held, &new, ""),
+            finish(&fenced, &old, "6"),
+            finish(&lost, &new, ""),
+        ];
+        let keys: Vec<Vec<String>> = finishes
+            .iter()
+            .map(|f| f.keys().into_iter().map(str::to_owned).collect())
+            .collect();
+        let args: Vec<Vec<Value>> = finishes.iter().map(Finish::args).collect();
+        let items: Vec<(&[String], &[Value])> = keys
+            .iter()
+            .zip(&args)
+            .map(|(k, a)| (k.as_slice(), a.as_slice()))
+            .collect();
+
+        let replies = run(&client, &FinishMany { items: &items }).await;
+
+        let replies: Vec<Finished> = finishes
+            .iter()
+            .zip(replies)
+            .map(|(f, reply)| f.reply(reply).expect("a finish's reply"))
+            .collect();
+        assert_eq!(
+            replies,
+            [
+                Finished {
+                    released: true,
+                    published: Some(new.clone())
+                },
+                Finished {
+                    released: true,
+                    published: None
+                },
+                Finished {
+                    released: false,
+                    published: Some(stored.clone())
+                },
+            ]
+        );
+        assert_eq!(get(&client, &held.value).await.as_ref(), Some(&new));
+        assert_eq!(get(&client, &fenced.value).await, None);
+        assert_eq!(get(&client, &lost.value).await.as_ref(), Some(&stored));
+        let lock: Option<String> = client.get(&lost.lock).await.unwrap();
+        assert_eq!(lock.as_deref(), Some("theirs"));
         clean(&client, &prefix).await;
     }
 

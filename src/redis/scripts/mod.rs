@@ -20,9 +20,9 @@ mod lock;
 use fred::{prelude::*, types::scripts::Script};
 
 pub use apply::{ApplyFor, ApplyMany, ChangeKind};
-pub use claim::{Claim, Claimed};
+pub use claim::{Claim, ClaimKeys, ClaimMany, Claimed};
 pub use cutoff::RaiseCutoff;
-pub use finish::{Finish, Finished, StoreFor};
+pub use finish::{Finish, FinishMany, Finished, StoreFor};
 pub(in crate::redis) use loading::{keep_loaded, Server};
 pub use lock::{LockOp, OnLock, RETRY};
 
@@ -97,6 +97,25 @@ fn prologue(keys: &[&str], argv: &[&str]) -> String {
     )
 }
 
+/// `body`, which defines `local function {one}(K, A)`, then the loop that
+/// calls it for each item sent, each with its own KEYS and ARGV laid out as
+/// a single call's (`keys` and `argv` by name): the replies in the items'
+/// order.
+fn for_each_item(body: &str, one: &str, keys: &[&str], argv: &[&str]) -> String {
+    let (k, a) = (keys.len(), argv.len());
+    let keys = table("KEYS", keys, |i| format!("i*{k}+{}", i + 1));
+    let args = table("ARGV", argv, |i| format!("i*{a}+{}", i + 1));
+    format!(
+        r#"{body}
+local replies = {{}}
+for i = 0, (#KEYS / {k}) - 1 do
+  replies[i + 1] = {one}({keys}, {args})
+end
+return replies
+"#
+    )
+}
+
 /// A Lua script with the envelope's layout filled in.
 fn with_layout(lua: &str) -> String {
     // Lua's string.byte counts from 1.
@@ -119,7 +138,9 @@ fn with_layout(lua: &str) -> String {
 #[derive(Clone)]
 pub struct Scripts {
     claim: Script,
+    claim_many: Script,
     finish: Script,
+    finish_many: Script,
     release: Script,
     abandon: Script,
     extend: Script,
@@ -131,7 +152,9 @@ impl Scripts {
     pub fn new() -> Self {
         Self {
             claim: Script::from_lua(claim::lua()),
+            claim_many: Script::from_lua(claim::many_lua()),
             finish: Script::from_lua(finish::lua()),
+            finish_many: Script::from_lua(finish::many_lua()),
             release: Script::from_lua(lock::release_lua()),
             abandon: Script::from_lua(lock::abandon_lua()),
             extend: Script::from_lua(lock::extend_lua()),
@@ -140,10 +163,12 @@ impl Scripts {
         }
     }
 
-    fn all(&self) -> [&Script; 7] {
+    fn all(&self) -> [&Script; 9] {
         [
             &self.claim,
+            &self.claim_many,
             &self.finish,
+            &self.finish_many,
             &self.release,
             &self.abandon,
             &self.extend,

@@ -1,0 +1,209 @@
+//! The Redis side: the commands a node batches (see `coalesce.rs`), each
+//! queued with the sender of its reply. Lookups go out as an MGET (a
+//! pipeline of GETs on a cluster node); claims and finishes as one call of
+//! their script for many items (a single Redis only: on a cluster,
+//! different items' keys are in different slots).
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use fred::types::Value;
+use tokio::sync::oneshot;
+
+use super::{
+    coalesce::{again, Batched, Coalescer},
+    commands::RedisCommands,
+    error::RedisError,
+    nodes::Node,
+    scripts::{ClaimKeys, Claimed, FinishMany, LockOp, OnLock},
+};
+
+/// A queued lookup: the value key, and where its raw value goes.
+pub(super) struct QueuedGet {
+    pub key: String,
+    pub reply: oneshot::Sender<Result<Option<Bytes>, RedisError>>,
+}
+
+impl Batched for QueuedGet {
+    const MAX_BATCH: usize = 256;
+
+    fn queue(node: &Node) -> &Coalescer<Self> {
+        &node.gets
+    }
+
+    /// Each key once (a stampede queues the same key many times).
+    async fn send(commands: &RedisCommands, node: &Arc<Node>, mut batch: Vec<Self>) {
+        // Lookups whose callers went away meanwhile: not read at all.
+        batch.retain(|q| !q.reply.is_closed());
+        if batch.is_empty() {
+            return;
+        }
+        let mut names: Vec<&str> = Vec::with_capacity(batch.len());
+        let mut seen: HashMap<&str, usize> = HashMap::with_capacity(batch.len());
+        let at: Vec<usize> = batch
+            .iter()
+            .map(|q| {
+                *seen.entry(q.key.as_str()).or_insert_with(|| {
+                    names.push(q.key.as_str());
+                    names.len() - 1
+                })
+            })
+            .collect();
+        let answers = commands.read_node(node, &names).await;
+        drop((names, seen));
+        for (queued, at) in batch.into_iter().zip(at) {
+            let looked = match &answers[at] {
+                Ok(raw) => Ok(raw.clone()),
+                Err(error) => Err(again(error)),
+            };
+            let _ = queued.reply.send(looked);
+        }
+    }
+}
+
+/// A queued claim: the item's keys and the leader's token, and where the
+/// claim's reply goes (`None`: the lock was held).
+pub(super) struct QueuedClaim {
+    pub keys: ClaimKeys,
+    pub token: String,
+    pub ttl: Duration,
+    pub reply: oneshot::Sender<Result<Option<Claimed>, RedisError>>,
+}
+
+impl Batched for QueuedClaim {
+    const MAX_BATCH: usize = 64;
+
+    fn queue(node: &Node) -> &Coalescer<Self> {
+        &node.claims
+    }
+
+    /// A claim whose caller went away before it was sent is not sent; one
+    /// whose caller went away while the batch ran lets go of the lock it
+    /// took (token-checked), so that no lock is left that nobody holds
+    /// (the caller's own guard may have released before the lock was
+    /// taken).
+    async fn send(commands: &RedisCommands, _node: &Arc<Node>, mut batch: Vec<Self>) {
+        batch.retain(|q| !q.reply.is_closed());
+        if batch.is_empty() {
+            return;
+        }
+        let items: Vec<(&ClaimKeys, &str, Duration)> = batch
+            .iter()
+            .map(|q| (&q.keys, q.token.as_str(), q.ttl))
+            .collect();
+        let answers = commands.claim_batch(&items).await;
+        drop(items);
+        for (queued, claimed) in batch.into_iter().zip(answers) {
+            let took = matches!(claimed, Ok(Some(_)));
+            if queued.reply.send(claimed).is_err() && took {
+                let release = OnLock {
+                    lock: &queued.keys.lock,
+                    token: &queued.token,
+                    op: LockOp::Release,
+                };
+                if let Ok(true) = commands.eval(&release).await {
+                    tracing::info!(
+                        lock = queued.keys.lock,
+                        "released a lock taken after its claim gave up"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A queued finish: its KEYS and ARGV as its `Finish` made them, and where
+/// its reply goes, unparsed (the caller's `Finish` parses it).
+pub(super) struct QueuedFinish {
+    pub keys: Vec<String>,
+    pub args: Vec<Value>,
+    pub reply: oneshot::Sender<Result<Value, RedisError>>,
+}
+
+impl Batched for QueuedFinish {
+    const MAX_BATCH: usize = 64;
+
+    fn queue(node: &Node) -> &Coalescer<Self> {
+        &node.finishes
+    }
+
+    async fn send(commands: &RedisCommands, _node: &Arc<Node>, batch: Vec<Self>) {
+        let items: Vec<(&[String], &[Value])> = batch
+            .iter()
+            .map(|q| (q.keys.as_slice(), q.args.as_slice()))
+            .collect();
+        let replies = commands.eval(&FinishMany { items: &items }).await;
+        drop(items);
+        match replies {
+            Ok(replies) => {
+                for (queued, reply) in batch.into_iter().zip(replies) {
+                    let _ = queued.reply.send(Ok(reply));
+                }
+            }
+            Err(error) => {
+                for queued in batch {
+                    let _ = queued.reply.send(Err(again(&error)));
+                }
+            }
+        }
+    }
+}
+
+/// Against the Redis the tests use (REDIS_URL, else the local one), under
+/// a key prefix of this test's own.
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use fred::prelude::*;
+
+    use super::*;
+    use crate::{
+        cache::{ItemKeys, Keys},
+        redis::coalesce::{queued_reply, Turn},
+    };
+
+    #[tokio::test]
+    async fn a_claim_whose_caller_went_away_before_it_was_sent_takes_no_lock() {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = Client::new(Config::from_url(&url).unwrap(), None, None, None);
+        client.init().await.expect("the tests' Redis is up");
+        let commands = RedisCommands::new(client.clone(), Duration::from_secs(1));
+        let prefix = format!("postcache:queued:{:016x}:", rand::random::<u64>());
+        let names = Keys::new(prefix, "post");
+        let (gone, kept) = (names.item(1), names.item(2));
+        let node = commands.node_of(&gone.lock);
+        // The turn held, as by a claim in flight: the next ones queue.
+        let Turn::Lead(baton) = node.claims.turn::<()>(&commands, &node, || unreachable!()) else {
+            panic!("the turn was free");
+        };
+        let queue = |keys: &ItemKeys, token: &str| {
+            let queued = node.claims.turn(&commands, &node, || {
+                let (reply, answer) = oneshot::channel();
+                let claim = QueuedClaim {
+                    keys: ClaimKeys::of(keys),
+                    token: token.to_owned(),
+                    ttl: Duration::from_secs(60),
+                    reply,
+                };
+                (claim, answer)
+            });
+            match queued {
+                Turn::Queued(answer) => answer,
+                Turn::Lead(_) => panic!("the turn is held"),
+            }
+        };
+        let gone_answer = queue(&gone, "a");
+        let kept_answer = queue(&kept, "b");
+        drop(gone_answer);
+        // The claim in flight is answered: the queued ones go out.
+        drop(baton);
+        let claimed = queued_reply(&commands, kept_answer).await.unwrap();
+        assert!(claimed.is_some());
+        let holder: Option<String> = client.get(&kept.lock).await.unwrap();
+        assert_eq!(holder.as_deref(), Some("b"));
+        let holder: Option<String> = client.get(&gone.lock).await.unwrap();
+        assert_eq!(holder, None, "a claim nobody waits for took a lock");
+        let _: i64 = client.del(&kept.lock).await.unwrap();
+    }
+}
