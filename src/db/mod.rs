@@ -91,10 +91,11 @@ pub fn connect_replica(
     );
     // Short: a replica that cannot be reached costs a load this long
     // before it fails over (the probe takes it out within a second).
-    let pool = PgPoolOptions::new()
-        .max_connections(settings.db_max_connections)
-        .acquire_timeout(settings.db_acquire_timeout.min(REPLICA_ACQUIRE_TIMEOUT))
-        .connect_lazy_with(options.clone());
+    let pool = loads_pool(
+        settings.db_max_connections,
+        settings.db_acquire_timeout.min(REPLICA_ACQUIRE_TIMEOUT),
+    )
+    .connect_lazy_with(options.clone());
     let probe = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(timeout)
@@ -122,10 +123,39 @@ fn url_options(settings: &DatabaseSettings, url: &str) -> anyhow::Result<PgConne
 /// while PostgreSQL is down, and recovers without a restart.
 pub async fn connect(settings: &DatabaseSettings) -> anyhow::Result<PgPool> {
     let options = connect_options(settings)?;
-    Ok(PgPoolOptions::new()
-        .max_connections(settings.db_max_connections)
-        .acquire_timeout(settings.db_acquire_timeout)
-        .connect_lazy_with(options))
+    Ok(
+        loads_pool(settings.db_max_connections, settings.db_acquire_timeout)
+            .connect_lazy_with(options),
+    )
+}
+
+/// A connection of the loads idle this long is pinged before it is used.
+pub const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
+
+/// The options of a pool that loads rows (the primary's and each
+/// replica's): `connections` at most, each waited for at most `acquire`.
+///
+/// sqlx pings every connection it hands out by default: a round trip to
+/// PostgreSQL before each statement (and it pings again when one is given
+/// back, which no setting turns off). Here only a connection idle for
+/// [`PING_IDLE_AFTER`] or longer is pinged (one that died while idle, in a
+/// restart or behind a firewall's idle timeout, is replaced unseen); one
+/// in use moments ago is used as it is, and a statement whose connection
+/// turns out to be gone runs again on another (see `posts::PostStore`).
+fn loads_pool(connections: u32, acquire: Duration) -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(acquire)
+        .test_before_acquire(false)
+        .before_acquire(|connection, meta| {
+            Box::pin(async move {
+                if meta.idle_for < PING_IDLE_AFTER {
+                    return Ok(true);
+                }
+                // A failed ping closes it, and another is opened.
+                Ok(sqlx::Connection::ping(connection).await.is_ok())
+            })
+        })
 }
 
 /// The primary's WAL insert position (a byte offset): a replica that has

@@ -69,28 +69,41 @@ impl PostStore {
         &self.pool
     }
 
+    /// The most connections the pool may open.
+    fn connections(&self) -> u32 {
+        self.pool.options().get_max_connections()
+    }
+
     /// Whether every connection the pool may open is open and in use.
     fn exhausted(&self) -> bool {
-        self.pool.size() >= self.pool.options().get_max_connections() && self.pool.num_idle() == 0
+        self.pool.size() >= self.connections() && self.pool.num_idle() == 0
     }
 
     /// The post with this id, if any. One indexed query.
     pub async fn find(&self, id: i64) -> Result<Option<Post>, sqlx::Error> {
-        sqlx::query_as::<_, Post>(
-            "select id, title, body, author, created_at, updated_at from posts where id = $1",
+        again_if_lost(
+            self.connections(),
+            self.pool.options().get_acquire_timeout(),
+            || {
+                sqlx::query_as::<_, Post>(
+                "select id, title, body, author, created_at, updated_at from posts where id = $1",
+            )
+            .bind(id)
+            .fetch_optional(&self.pool)
+            },
         )
-        .bind(id)
-        .fetch_optional(&self.pool)
         .await
     }
 
     /// The posts with these ids that exist, in one statement.
     pub async fn find_many(&self, ids: &[i64]) -> Result<Vec<Post>, sqlx::Error> {
-        sqlx::query_as::<_, Post>(
-            "select id, title, body, author, created_at, updated_at from posts where id = any($1)",
-        )
-        .bind(ids)
-        .fetch_all(&self.pool)
+        again_if_lost(self.connections(), self.pool.options().get_acquire_timeout(), || {
+            sqlx::query_as::<_, Post>(
+                "select id, title, body, author, created_at, updated_at from posts where id = any($1)",
+            )
+            .bind(ids)
+            .fetch_all(&self.pool)
+        })
         .await
     }
 
@@ -147,6 +160,50 @@ impl PostStore {
         .execute(executor)
         .await?;
         Ok(done.rows_affected())
+    }
+}
+
+/// Runs a read, and again while its connection turns out to be gone, at
+/// most `connections` times more (each failed connection is closed, not
+/// returned, so the pool runs out of dead ones) and not once `within` has
+/// passed since the first try (the pool's acquire timeout, so a database
+/// that fails fast this way still costs a load a bounded time): the
+/// loads' pool pings only
+/// connections idle for a while (see `db::PING_IDLE_AFTER`), so one whose
+/// server process was ended moments ago (a restart, `pg_terminate_backend`)
+/// fails its statement instead. A read is safe to run twice.
+async fn again_if_lost<T, F, Fut>(
+    connections: u32,
+    within: std::time::Duration,
+    mut read: F,
+) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let started = std::time::Instant::now();
+    let mut left = connections;
+    loop {
+        match read().await {
+            Err(error) if left > 0 && started.elapsed() < within && connection_lost(&error) => {
+                tracing::debug!(%error, "a load's connection was gone; reading again on another");
+                left -= 1;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// Whether a statement failed for want of its connection, not for anything
+/// in the statement: the socket failed, or the server ended the session
+/// (SQLSTATE class 08, or 57P01/57P02: shut down or crashed).
+fn connection_lost(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(e) => e
+            .code()
+            .is_some_and(|code| code.starts_with("08") || code == "57P01" || code == "57P02"),
+        _ => false,
     }
 }
 

@@ -227,6 +227,66 @@ async fn with_postgres_cut_requests_get_503_fast_and_recover_without_a_restart()
     assert_eq!(ready.json()["postgres"], "up");
 }
 
+/// The loads' pool pings only connections idle for a while, so one used
+/// moments ago whose server process was ended meanwhile fails its statement:
+/// the statement runs again on another connection (here both of the pool's
+/// are gone, the third try opens one), and the read is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_load_whose_connections_were_ended_moments_ago_reads_again_on_another() {
+    let env = TestEnv::new(10).await;
+    let app = env
+        .spawn(&["--db-max-connections", "2", "--failure-ttl", "30s"])
+        .await;
+    // Two statements at once: the pool opens both its connections.
+    let lock = TableLock::take(&env).await;
+    let mut first = Vec::new();
+    for (id, blocked) in [(1, 1), (2, 2)] {
+        first.push(app.http.spawn_get(&format!("/posts/{id}")));
+        wait_until("a blocked load", A_WHILE, async || {
+            postcache::testkit::blocked_loads(&env).await == blocked
+        })
+        .await;
+    }
+    lock.release().await;
+    for request in first {
+        assert_eq!(request.await.unwrap().0.status, 200);
+    }
+    let used = Instant::now();
+
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "select pg_terminate_backend(pid) from pg_stat_activity
+         where datname = $1 and application_name = 'postcache'",
+    )
+    .bind(&env.db_name)
+    .fetch_all(&env.admin)
+    .await
+    .unwrap();
+    assert_eq!(ended.len(), 2, "the loads' connections are in the pool");
+    wait_until("the sessions to end", A_WHILE, async || {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_stat_activity
+             where datname = $1 and application_name = 'postcache'",
+        )
+        .bind(&env.db_name)
+        .fetch_one(&env.admin)
+        .await
+        .unwrap()
+            == 0
+    })
+    .await;
+    let after = app.get("/posts/3").await;
+
+    // Past it the pool pings the connection first, and this would not
+    // test the second attempt.
+    assert!(
+        used.elapsed() < postcache::db::PING_IDLE_AFTER,
+        "the connection was idle for {:?}",
+        used.elapsed()
+    );
+    assert_eq!(after.status, 200, "{:?}", after.body);
+    assert_eq!(after.x_cache.as_deref(), Some("miss"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn past_the_concurrency_limit_requests_get_a_fast_503() {
     let env = TestEnv::new(10).await;
