@@ -498,7 +498,10 @@ impl<S: Source> ReadPath<S> {
                     load_ms = tracing::field::Empty
                 );
                 let named = key.clone();
-                let flight = fly(this, key);
+                // Boxed where it is made: the run's state machine is large
+                // (every step's future), and the wrappers below and the spawn
+                // would each copy it; they copy a pointer instead.
+                let flight = Box::pin(fly(this, key));
                 // A panic answers 503; a leader's lock is let go as it unwinds.
                 async move { panics::caught(flight, &named, || Err(ReadError::Unavailable)).await }
                     .instrument(span)

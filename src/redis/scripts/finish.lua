@@ -36,8 +36,13 @@ local function finish_one(K, A)
     end
     return {released, A.retry, 1}
   end
-  local current = redis.call('GET', K.value)
-  if not valid(current) then current = nil end
+  -- The entry there now: needed unless this leader holds the lock and
+  -- stores what it read (it then writes whatever is there).
+  local current = nil
+  if not ours or status(entry) == $FAILED then
+    current = redis.call('GET', K.value)
+    if not valid(current) then current = nil end
+  end
   local may_write = ours or (not holder and (not current or u64(current, $STORED_AT) <= u64(entry, $STORED_AT)))
   local payload = entry
   local publish = true
