@@ -33,62 +33,61 @@ impl Keys {
         }
     }
 
-    /// Every name of one item.
-    ///
-    /// The id is rendered once and each name put together from pieces (the
-    /// read path and the change feed's decoder make these for every item
-    /// they touch; six `format!`s were a visible share of the decoder's CPU).
+    /// Every name of one item, the id rendered once (the read path and the
+    /// change feed's decoder make these for every item they touch; six
+    /// `format!`s were a visible share of the decoder's CPU).
     pub fn item(&self, id: impl Display) -> ItemKeys {
         let id = id.to_string();
-        let name = |role: &str| {
-            let mut name = String::with_capacity(
-                self.prefix.len() + role.len() + self.kind.len() + id.len() + 3,
-            );
-            for piece in [self.prefix.as_str(), role, self.kind, ":{", &id, "}"] {
-                name.push_str(piece);
-            }
-            name
-        };
         ItemKeys {
-            value: name(""),
-            lock: name("lock:"),
-            fail_safe: name("stale:"),
-            fence: name("fence:"),
-            applied: name("applied:"),
-            channel: name("ready:"),
+            value: self.named("", &id),
+            lock: self.named("lock:", &id),
+            fail_safe: self.named("stale:", &id),
+            fence: self.named("fence:", &id),
+            applied: self.named("applied:", &id),
+            channel: self.named("ready:", &id),
         }
+    }
+
+    /// `P` + `role` + `post:{` + `id` + `}`, put together from its pieces.
+    fn named(&self, role: &str, id: &str) -> String {
+        let pieces = [self.prefix.as_str(), role, self.kind, ":{", id, "}"];
+        let mut name = String::with_capacity(pieces.iter().map(|p| p.len()).sum());
+        for piece in pieces {
+            name.push_str(piece);
+        }
+        name
     }
 
     /// `P` + `post:{42}`
     pub fn value(&self, id: impl Display) -> String {
-        format!("{}{}:{{{id}}}", self.prefix, self.kind)
+        self.named("", &id.to_string())
     }
 
     /// `P` + `lock:post:{42}`
     pub fn lock(&self, id: impl Display) -> String {
-        format!("{}lock:{}:{{{id}}}", self.prefix, self.kind)
+        self.named("lock:", &id.to_string())
     }
 
     /// `P` + `stale:post:{42}`: the fail-safe copy, kept MAX_STALE past freshness.
     pub fn fail_safe(&self, id: impl Display) -> String {
-        format!("{}stale:{}:{{{id}}}", self.prefix, self.kind)
+        self.named("stale:", &id.to_string())
     }
 
     /// `P` + `fence:post:{42}`: the last change applied to the item, for a
     /// short while: a leader that read the row before it stores nothing.
     pub fn fence(&self, id: impl Display) -> String {
-        format!("{}fence:{}:{{{id}}}", self.prefix, self.kind)
+        self.named("fence:", &id.to_string())
     }
 
     /// `P` + `applied:post:{42}`: the changes applied to the item lately
     /// (as long as its fence lives), so that each is applied once.
     pub fn applied(&self, id: impl Display) -> String {
-        format!("{}applied:{}:{{{id}}}", self.prefix, self.kind)
+        self.named("applied:", &id.to_string())
     }
 
     /// `P` + `ready:post:{42}`
     pub fn channel(&self, id: impl Display) -> String {
-        format!("{}ready:{}:{{{id}}}", self.prefix, self.kind)
+        self.named("ready:", &id.to_string())
     }
 
     /// `P` + `{post-changes}:cutoff`: unix milliseconds before which every
