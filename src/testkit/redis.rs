@@ -362,6 +362,27 @@ impl RedisCluster {
         slot
     }
 
+    /// The ports of the replicas of the master on `master`.
+    pub fn replicas_of(&self, master: u16) -> Vec<u16> {
+        let id = self.cli(master, &["cluster", "myid"]);
+        self.cli(master, &["cluster", "replicas", &id])
+            .lines()
+            .filter_map(|line| {
+                let address = line.split_whitespace().nth(1)?;
+                address.split(['@', ':']).nth(1)?.parse().ok()
+            })
+            .collect()
+    }
+
+    /// Whether the replica on `port` may take over when its master fails
+    /// (`cluster-replica-no-failover`): a test holds a failover back while
+    /// it looks at the outage, so the promotion cannot race it.
+    pub fn allow_failover(&self, port: u16, allow: bool) {
+        let no = if allow { "no" } else { "yes" };
+        let reply = self.cli(port, &["config", "set", "cluster-replica-no-failover", no]);
+        assert_eq!(reply, "OK", "config set on {port}");
+    }
+
     /// SIGKILL the node on `port`.
     pub fn kill(&mut self, port: u16) {
         let i = self.ports.iter().position(|p| *p == port).unwrap();
