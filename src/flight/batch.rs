@@ -26,7 +26,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use tokio::sync::oneshot;
 
-use super::{Busy, LoadError, Since, Source};
+use super::{Busy, LoadError, Progress, Since, Source};
 use crate::telemetry::metrics;
 
 /// What one key's load gave: its body, `None` when absent, or the batch's
@@ -66,8 +66,12 @@ pub(super) struct Batches<S: Source> {
     /// Most statements in flight.
     max_running: usize,
     /// Longest a key waits for its statement to start (DB_ACQUIRE_TIMEOUT):
-    /// past it the instance is busy (see [`Busy`]).
+    /// past it the instance is busy (see [`Busy`]) if statements answered
+    /// meanwhile, and the load failed if none did (the database is not
+    /// answering; see `progress.rs`).
     patience: Duration,
+    /// When a statement last succeeded.
+    answered: Progress,
     /// A std mutex: held only to queue or take keys, never across an await.
     queue: Mutex<Queue<S::Key>>,
     /// Wakes statements waiting for expected keys when none is left.
@@ -95,6 +99,7 @@ impl<S: Source> Batches<S> {
             max_batch: max_batch.max(1),
             max_running: max_running.max(1),
             patience,
+            answered: Progress::default(),
             queue: Mutex::new(Queue {
                 waiting: VecDeque::new(),
                 running: 0,
@@ -154,7 +159,8 @@ impl<S: Source> Batches<S> {
     /// Loads `key` with the next statement: at once if fewer than
     /// LOAD_STATEMENTS run, else with the keys queued meanwhile. A key whose
     /// statement has not started within DB_ACQUIRE_TIMEOUT is taken out of
-    /// the queue and [`Busy`], as a load that got no connection in time.
+    /// the queue: [`Busy`], as a load that got no connection in time, if a
+    /// statement succeeded while it waited; else a failure.
     pub async fn load(
         self: &Arc<Self>,
         key: &S::Key,
@@ -187,6 +193,7 @@ impl<S: Source> Batches<S> {
         if start {
             tokio::spawn(self.clone().statements());
         }
+        let queued_at = tokio::time::Instant::now();
         let answered = match tokio::time::timeout(self.patience, &mut answer).await {
             Ok(answered) => answered,
             Err(_) => {
@@ -195,8 +202,14 @@ impl<S: Source> Batches<S> {
                     let at = queue.waiting.iter().position(|q| q.ticket == ticket);
                     at.and_then(|at| queue.waiting.remove(at)).is_some()
                 };
-                if dequeued {
+                if dequeued && self.answered.answered_since(queued_at) {
                     return Err(Busy.into());
+                }
+                if dequeued {
+                    return Err(anyhow::anyhow!(
+                        "no load statement succeeded in {:?}: the database is not answering",
+                        self.patience
+                    ));
                 }
                 // Its statement runs: wait for it (LOAD_TIMEOUT bounds it).
                 answer.await
@@ -293,7 +306,10 @@ impl<S: Source> Batches<S> {
         .catch_unwind()
         .await;
         let found: Result<HashMap<S::Key, Bytes>, Arc<LoadError>> = match read {
-            Ok(Ok(found)) => Ok(found),
+            Ok(Ok(found)) => {
+                self.answered.answered();
+                Ok(found)
+            }
             Ok(Err(error)) => Err(Arc::new(error)),
             // The panic hook has logged it; each key is answered a failure.
             Err(_) => Err(Arc::new(anyhow::anyhow!("the load's statement panicked"))),
@@ -597,23 +613,46 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_key_whose_statement_does_not_start_in_time_is_busy() {
+    async fn a_key_whose_statement_does_not_start_in_time_while_others_succeed_is_busy() {
+        let source = Arc::new(Held::default());
+        let batches = Batches::new(source.clone(), 1, 1, Duration::from_millis(50));
+        let first = spawn_load(&batches, 1);
+        until_statements(&source, 1).await;
+        let second = spawn_load(&batches, 2);
+        let third = {
+            let batches = batches.clone();
+            tokio::spawn(async move { batches.load(&3, Since::ANY).await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        // Key 1 succeeds and key 2's statement starts, held: key 3 waits
+        // out its patience while statements succeed. Busy, out of the queue.
+        source.gate.add_permits(1);
+        assert_eq!(first.await.unwrap(), Some(Bytes::from("1")));
+        let queued = third.await.unwrap().unwrap_err();
+        assert!(queued.is::<Busy>(), "{queued:#}");
+        assert!(batches.lock().waiting.is_empty());
+        // A statement that started is waited for, however long it takes.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        source.gate.add_permits(1);
+        assert_eq!(second.await.unwrap(), Some(Bytes::from("2")));
+    }
+
+    #[tokio::test]
+    async fn a_key_whose_statement_does_not_start_in_time_while_none_succeeds_fails() {
         let source = Arc::new(Held::default());
         let batches = Batches::new(source.clone(), 256, 1, Duration::from_millis(50));
         let first = spawn_load(&batches, 1);
         until_statements(&source, 1).await;
-        // The one slot stays taken: the next key is busy, and out of the queue.
+        // The one statement hangs (a database gone silent): not busy.
         let queued = batches.load(&2, Since::ANY).await.unwrap_err();
-        assert!(queued.is::<Busy>(), "{queued:#}");
+        assert!(!queued.is::<Busy>(), "{queued:#}");
+        assert!(
+            format!("{queued:#}").contains("not answering"),
+            "{queued:#}"
+        );
         assert!(batches.lock().waiting.is_empty());
         source.gate.add_permits(1 << 20);
         assert_eq!(first.await.unwrap(), Some(Bytes::from("1")));
-        // A statement that started is waited for, however long it takes.
-        source.gate.forget_permits(1 << 20);
-        let slow = spawn_load(&batches, 3);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        source.gate.add_permits(1);
-        assert_eq!(slow.await.unwrap(), Some(Bytes::from("3")));
     }
 
     #[tokio::test]

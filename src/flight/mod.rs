@@ -52,6 +52,7 @@ mod machine;
 mod many;
 mod memory;
 mod panics;
+mod progress;
 mod refresh;
 mod settings;
 mod strategy;
@@ -75,6 +76,7 @@ use tracing::Instrument;
 
 pub use answer::{Answer, ReadError, Served};
 pub use machine::WaitEnd;
+pub use progress::Progress;
 pub use settings::{fence_ttl, Settings};
 pub use strategy::Strategy;
 pub use waiter::Wake;

@@ -14,7 +14,7 @@ pub use id::{InvalidId, PostId};
 pub use replicas::{ReplicaReport, Replicas, PROBE_FRESH};
 pub use timestamp::Timestamp;
 
-use crate::flight::Since;
+use crate::flight::{Progress, Since};
 
 /// One row of `posts`, serialised as the body of `GET /posts/{id}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
@@ -34,6 +34,9 @@ pub struct Post {
 pub struct PostStore {
     pool: PgPool,
     replicas: Option<Arc<Replicas>>,
+    /// When a read on the primary last succeeded: tells a busy pool from a
+    /// database that stopped answering (see [`PostStore::load_error`]).
+    answered: Arc<Progress>,
 }
 
 impl std::fmt::Debug for PostStore {
@@ -50,6 +53,7 @@ impl PostStore {
         Self {
             pool,
             replicas: None,
+            answered: Arc::default(),
         }
     }
 
@@ -58,6 +62,7 @@ impl PostStore {
         Self {
             pool,
             replicas: Some(replicas),
+            answered: Arc::default(),
         }
     }
 
@@ -93,6 +98,7 @@ impl PostStore {
             },
         )
         .await
+        .inspect(|_| self.answered.answered())
     }
 
     /// The posts with these ids that exist, in one statement.
@@ -105,16 +111,24 @@ impl PostStore {
             .fetch_all(&self.pool)
         })
         .await
+        .inspect(|_| self.answered.answered())
     }
 
     /// A failed read as a load error: [`crate::flight::Busy`] when every
-    /// connection was open and taken for DB_ACQUIRE_TIMEOUT (this instance
-    /// is busy, the post did not fail). A pool that timed out with room
-    /// left could not connect: PostgreSQL is down or unreachable, a
-    /// failure like any other.
+    /// connection was open and taken for DB_ACQUIRE_TIMEOUT while reads
+    /// kept succeeding (this instance is busy, the post did not fail). A
+    /// pool that timed out with room left could not connect, and one whose
+    /// connections were all taken by reads none of which succeeded in that
+    /// time holds statements (or connects) that hang: PostgreSQL is down or
+    /// unreachable, a failure like any other.
     fn load_error(&self, error: sqlx::Error) -> crate::flight::LoadError {
+        let waited = self.pool.options().get_acquire_timeout();
         match error {
-            sqlx::Error::PoolTimedOut if self.exhausted() => crate::flight::Busy.into(),
+            sqlx::Error::PoolTimedOut
+                if self.exhausted() && self.answered.answered_within(waited) =>
+            {
+                crate::flight::Busy.into()
+            }
             error => error.into(),
         }
     }

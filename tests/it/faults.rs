@@ -456,3 +456,61 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
         "garbage not counted"
     );
 }
+
+/// The network to PostgreSQL stalls (the host gone silent: connections
+/// open, no byte passes) while many keys with fail-safe copies are read at
+/// once, twenty times as many as the pool has connections: every read is
+/// its copy, stale, none a 503. The loads time out on connections that are
+/// all taken, by statements that hang: that is the database failing, not
+/// the instance busy (whose 503 would serve no copy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_the_database_stalled_a_storm_over_many_keys_is_served_from_their_copies() {
+    let env = TestEnv::new(40).await;
+    let (proxy, url) = env.proxied_database().await;
+    let app = env
+        .spawn(&[
+            "--database-url",
+            &url,
+            "--cache-ttl",
+            "300ms",
+            "--ttl-jitter",
+            "0",
+            "--max-stale",
+            "1h",
+            "--failure-ttl",
+            "2s",
+            "--db-max-connections",
+            "2",
+            "--db-acquire-timeout",
+            "300ms",
+            "--l1-max-bytes",
+            "0",
+        ])
+        .await;
+    for id in 1..=40 {
+        assert_eq!(app.get(&format!("/posts/{id}")).await.status, 200);
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+
+    proxy.stall(true);
+    let storm: Vec<_> = (1..=40)
+        .map(|id| app.http.spawn_get(&format!("/posts/{id}")))
+        .collect();
+    let mut answers = Vec::new();
+    for (id, request) in (1..=40).zip(storm) {
+        let (reply, _) = request.await.unwrap();
+        answers.push((
+            id,
+            reply.status,
+            reply.x_cache.clone().unwrap_or_default(),
+            reply.text(),
+        ));
+    }
+    proxy.stall(false);
+
+    let not_copies: Vec<_> = answers
+        .iter()
+        .filter(|(_, status, x_cache, _)| (*status, x_cache.as_str()) != (200, "stale"))
+        .collect();
+    assert!(not_copies.is_empty(), "{not_copies:?}");
+}
