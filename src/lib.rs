@@ -24,7 +24,8 @@
 //!   look up → judge (`freshness.rs`) → in-process flight (`local.rs`) →
 //!   elect → lead (`leader.rs`) or listen → sleep → re-check, as one state
 //!   machine with pure transitions (`machine.rs`, driven by `waiter.rs`);
-//!   loads batched into shared statements (`batch.rs`); many keys read
+//!   loads batched into shared statements (`batch.rs`), busy told from a
+//!   database that stopped answering (`progress.rs`); many keys read
 //!   at once (`many.rs`); the memory tier, background refreshes, changes
 //!   applied, the load lab's strategies.
 //! - [`redis`] — the Redis side: commands bounded by REDIS_TIMEOUT, a

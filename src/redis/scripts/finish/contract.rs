@@ -1,0 +1,280 @@
+//! The Redis side: the finish script on a real Redis, through every reply
+//! it gives.
+
+use std::time::Duration;
+
+use fred::prelude::*;
+
+use super::*;
+use crate::{
+    cache::{Keys as Names, Status},
+    redis::scripts::contract::{clean, heard, names_read, redis, run},
+};
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn store() -> StoreFor {
+    StoreFor {
+        value: MINUTE,
+        fail_safe: 2 * MINUTE,
+        failure: Duration::from_secs(5),
+    }
+}
+
+fn finish<'a>(keys: &'a ItemKeys, entry: &'a Entry, fence: &'a str) -> Finish<'a> {
+    Finish {
+        keys,
+        token: "ours",
+        entry,
+        store: store(),
+        fence,
+        cutoff: 0,
+        sharded: false,
+    }
+}
+
+fn found(body: &str) -> Entry {
+    Entry::new(Status::Found, body.as_bytes(), MINUTE, Duration::ZERO)
+}
+
+async fn put(client: &Client, key: &str, value: impl Into<Value> + Send) {
+    let _: () = client.set(key, value, None, None, false).await.unwrap();
+}
+
+async fn get(client: &Client, key: &str) -> Option<Entry> {
+    let raw: Option<Bytes> = client.get(key).await.unwrap();
+    raw.map(|raw| Entry::decode(raw).unwrap())
+}
+
+/// Runs `call`, and what its finish published on the channel.
+async fn run_heard(client: &Client, call: &Finish<'_>) -> (Finished, Option<Bytes>) {
+    let mut reply = None;
+    let message = heard(client, &call.keys.channel, async {
+        reply = Some(run(client, call).await);
+    })
+    .await;
+    (reply.expect("ran"), message)
+}
+
+#[test]
+fn the_script_reads_exactly_the_names_the_call_sends() {
+    let lua = lua();
+    let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect();
+    assert_eq!(names_read(&lua, 'K'), names(Keys::<()>::NAMES));
+    assert_eq!(names_read(&lua, 'A'), names(Argv::<()>::NAMES));
+}
+
+#[tokio::test]
+async fn the_holder_stores_publishes_and_releases() {
+    let (client, prefix) = redis().await;
+    let keys = Names::new(&prefix, "post").item(1);
+    let entry = found("new");
+    put(&client, &keys.lock, "ours").await;
+
+    let (reply, message) = run_heard(&client, &finish(&keys, &entry, "")).await;
+
+    assert_eq!(
+        reply,
+        Finished {
+            released: true,
+            published: Some(entry.clone())
+        }
+    );
+    assert_eq!(message.as_ref(), Some(entry.raw()));
+    assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&entry));
+    assert_eq!(get(&client, &keys.fail_safe).await.as_ref(), Some(&entry));
+    let lock: Option<String> = client.get(&keys.lock).await.unwrap();
+    assert_eq!(lock, None);
+    clean(&client, &prefix).await;
+}
+
+#[tokio::test]
+async fn many_finishes_in_one_call_each_do_what_their_own_would() {
+    let (client, prefix) = redis().await;
+    let names = Names::new(&prefix, "post");
+    let (held, fenced, lost) = (names.item(11), names.item(12), names.item(13));
+    let (new, old, stored) = (found("new"), found("before the change"), found("theirs"));
+    put(&client, &held.lock, "ours").await;
+    put(&client, &fenced.lock, "ours").await;
+    put(&client, &fenced.fence, "7").await;
+    put(&client, &lost.lock, "theirs").await;
+    put(&client, &lost.value, stored.raw().clone()).await;
+    let finishes = [
+        finish(&held, &new, ""),
+        finish(&fenced, &old, "6"),
+        finish(&lost, &new, ""),
+    ];
+    let keys: Vec<Vec<String>> = finishes
+        .iter()
+        .map(|f| f.keys().into_iter().map(str::to_owned).collect())
+        .collect();
+    let args: Vec<Vec<Value>> = finishes.iter().map(Finish::args).collect();
+    let items: Vec<(&[String], &[Value])> = keys
+        .iter()
+        .zip(&args)
+        .map(|(k, a)| (k.as_slice(), a.as_slice()))
+        .collect();
+
+    let replies = run(&client, &FinishMany { items: &items }).await;
+
+    let replies: Vec<Finished> = finishes
+        .iter()
+        .zip(replies)
+        .map(|(f, reply)| f.reply(reply).expect("a finish's reply"))
+        .collect();
+    assert_eq!(
+        replies,
+        [
+            Finished {
+                released: true,
+                published: Some(new.clone())
+            },
+            Finished {
+                released: true,
+                published: None
+            },
+            Finished {
+                released: false,
+                published: Some(stored.clone())
+            },
+        ]
+    );
+    assert_eq!(get(&client, &held.value).await.as_ref(), Some(&new));
+    assert_eq!(get(&client, &fenced.value).await, None);
+    assert_eq!(get(&client, &lost.value).await.as_ref(), Some(&stored));
+    let lock: Option<String> = client.get(&lost.lock).await.unwrap();
+    assert_eq!(lock.as_deref(), Some("theirs"));
+    clean(&client, &prefix).await;
+}
+
+#[tokio::test]
+async fn a_changed_fence_stores_nothing_and_publishes_retry() {
+    let (client, prefix) = redis().await;
+    let keys = Names::new(&prefix, "post").item(2);
+    let entry = found("read before the change");
+    put(&client, &keys.lock, "ours").await;
+    put(&client, &keys.fence, "7").await;
+
+    let (reply, message) = run_heard(&client, &finish(&keys, &entry, "6")).await;
+
+    assert_eq!(
+        reply,
+        Finished {
+            released: true,
+            published: None
+        }
+    );
+    assert_eq!(message.as_deref(), Some(RETRY));
+    assert_eq!(get(&client, &keys.value).await, None);
+
+    // Fenced without holding the lock: the holder's lock stays.
+    put(&client, &keys.lock, "theirs").await;
+    let reply = run(&client, &finish(&keys, &entry, "6")).await;
+    assert_eq!(
+        reply,
+        Finished {
+            released: false,
+            published: None
+        }
+    );
+    let lock: Option<String> = client.get(&keys.lock).await.unwrap();
+    assert_eq!(lock.as_deref(), Some("theirs"));
+    clean(&client, &prefix).await;
+}
+
+#[tokio::test]
+async fn a_lost_lock_publishes_what_is_stored_or_nothing() {
+    let (client, prefix) = redis().await;
+    let keys = Names::new(&prefix, "post").item(3);
+    let ours = found("older");
+    let theirs = found("newer");
+    put(&client, &keys.lock, "theirs").await;
+
+    // Nothing stored: nothing written, our entry stands for the reply.
+    let reply = run(&client, &finish(&keys, &ours, "")).await;
+    assert_eq!(
+        reply,
+        Finished {
+            released: false,
+            published: Some(ours.clone())
+        }
+    );
+    assert_eq!(get(&client, &keys.value).await, None);
+
+    // Another leader's value stored: it is what we publish.
+    put(&client, &keys.value, theirs.raw().clone()).await;
+    let reply = run(&client, &finish(&keys, &ours, "")).await;
+    assert_eq!(reply.published.as_ref(), Some(&theirs));
+    assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&theirs));
+    clean(&client, &prefix).await;
+}
+
+#[tokio::test]
+async fn a_failure_keeps_a_fresh_entry_else_serves_a_backoff_copy_else_a_marker() {
+    let (client, prefix) = redis().await;
+    let keys = Names::new(&prefix, "post").item(4);
+    let failed = Entry::new(Status::Failed, &[], Duration::ZERO, Duration::ZERO);
+
+    // Still fresh: left as it is, and published.
+    let fresh = found("fresh");
+    put(&client, &keys.value, fresh.raw().clone()).await;
+    let reply = run(&client, &finish(&keys, &failed, "")).await;
+    assert_eq!(reply.published.as_ref(), Some(&fresh));
+
+    // Past freshness: the found value comes back flagged as backoff.
+    let now = now_millis();
+    let past = Entry::stamped(
+        Status::Found,
+        b"past",
+        now - 2_000,
+        now - 1_000,
+        Duration::ZERO,
+    );
+    put(&client, &keys.value, past.raw().clone()).await;
+    let published = run(&client, &finish(&keys, &failed, ""))
+        .await
+        .published
+        .unwrap();
+    assert!(published.is_backoff());
+    assert_eq!(published.body(), past.body());
+    assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&published));
+
+    // No value: the fail-safe copy (here a deleted post's tombstone)
+    // comes back flagged as backoff, unless it was read before the cutoff.
+    let _: i64 = client.del(&keys.value).await.unwrap();
+    let tombstone = Entry::stamped(
+        Status::NotFound,
+        &[],
+        now - 2_000,
+        now - 1_000,
+        Duration::ZERO,
+    );
+    put(&client, &keys.fail_safe, tombstone.raw().clone()).await;
+    let published = run(&client, &finish(&keys, &failed, ""))
+        .await
+        .published
+        .unwrap();
+    assert!(published.is_backoff());
+    assert_eq!(published.status(), Status::NotFound);
+    let _: i64 = client.del(&keys.value).await.unwrap();
+    let after_cutoff = Finish {
+        cutoff: now,
+        ..finish(&keys, &failed, "")
+    };
+    let published = run(&client, &after_cutoff).await.published.unwrap();
+    assert_eq!(published.status(), Status::Failed, "read before the cutoff");
+
+    // No good copy at all: the failure marker, stored for FAILURE_TTL.
+    let _: i64 = client
+        .del(vec![keys.value.as_str(), &keys.fail_safe])
+        .await
+        .unwrap();
+    let published = run(&client, &finish(&keys, &failed, ""))
+        .await
+        .published
+        .unwrap();
+    assert_eq!(published.status(), Status::Failed);
+    let ttl: i64 = client.pttl(&keys.value).await.unwrap();
+    assert!(ttl > 0 && ttl <= 5_000, "{ttl}");
+    clean(&client, &prefix).await;
+}
