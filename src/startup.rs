@@ -487,6 +487,7 @@ fn connect_replicas(args: &ServeArgs) -> anyhow::Result<Option<Arc<Replicas>>> {
         primary,
         args.replica_max_lag,
         args.fence_ttl(),
+        args.load_timeout(),
     ))))
 }
 

@@ -125,6 +125,12 @@ pub struct Replicas {
     /// One connection to the primary, for its WAL position.
     primary: PgPool,
     max_lag: Duration,
+    /// Longest one read from a replica may take (half of LOAD_TIMEOUT):
+    /// past it the load goes on to the next replica or the primary. A
+    /// replica whose network stalls (no answer, not even the statement
+    /// timeout's) costs a load this, not its whole LOAD_TIMEOUT, until the
+    /// probe takes it out of the rotation.
+    read_timeout: Duration,
     epoch: Instant,
     /// Where the next load starts its turn.
     next: AtomicUsize,
@@ -167,6 +173,7 @@ impl Replicas {
         primary: PgPool,
         max_lag: Duration,
         fence_ttl: Duration,
+        load_timeout: Duration,
     ) -> Self {
         Self {
             replicas: replicas
@@ -184,6 +191,7 @@ impl Replicas {
                 .collect(),
             primary,
             max_lag,
+            read_timeout: load_timeout / 2,
             epoch: Instant::now(),
             next: AtomicUsize::new(0),
             feed_up: AtomicBool::new(false),
@@ -320,16 +328,20 @@ impl Replicas {
              from postcache_read_posts($1)",
         )
         .bind(ids)
-        .fetch_all(&replica.pool)
-        .await
-        .map_err(|error| match error {
-            sqlx::Error::PoolTimedOut
-                if replica.pool.size() >= replica.pool.options().get_max_connections() =>
-            {
-                ReadFailed::Busy
-            }
-            error => ReadFailed::Error(error.into()),
-        })?;
+        .fetch_all(&replica.pool);
+        let rows = tokio::time::timeout(self.read_timeout, rows)
+            .await
+            .map_err(|_| {
+                ReadFailed::Error(anyhow::anyhow!("no answer within {:?}", self.read_timeout))
+            })?
+            .map_err(|error| match error {
+                sqlx::Error::PoolTimedOut
+                    if replica.pool.size() >= replica.pool.options().get_max_connections() =>
+                {
+                    ReadFailed::Busy
+                }
+                error => ReadFailed::Error(error.into()),
+            })?;
         let replayed = rows
             .first()
             .map(|row| row.replay_lsn)

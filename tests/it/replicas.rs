@@ -8,7 +8,9 @@
 use std::time::Duration;
 
 use fred::interfaces::{KeysInterface, StreamsInterface};
-use postcache::testkit::{available, redis_url, wait_until, PgServer, TestApp, TestEnv, A_WHILE};
+use postcache::testkit::{
+    available, redis_url, wait_until, PgServer, TcpProxy, TestApp, TestEnv, A_WHILE,
+};
 
 /// A private primary, its standby, and a world on the primary. Dropped in
 /// this order: the world's database first, the servers last.
@@ -372,4 +374,52 @@ async fn a_promoted_standby_goes_on_serving() {
     assert_eq!(routed(&app, "replica", "caught_up").await, served + 19.0);
     let after = readyz(&app).await;
     assert_eq!(after["replicas"][0]["state"], "up", "{before} → {after}");
+}
+
+/// The network to a replica stalls (no answer, not even the statement
+/// timeout's): a load that meets it goes on to the primary after half of
+/// LOAD_TIMEOUT, and is served, instead of timing out whole; the probe then
+/// takes the replica out of the rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_whose_network_stalls_costs_a_load_half_its_timeout_not_the_load() {
+    let Some(r) = Replicated::start(60, &[]).await else {
+        return;
+    };
+    let proxy = TcpProxy::start(format!("127.0.0.1:{}", r.standby.port).parse().unwrap()).await;
+    let replica = format!("postgres://postgres@{}/{}", proxy.addr, r.env.db_name);
+    let app = r
+        .env
+        .spawn(&[
+            "--change-feed",
+            "replication",
+            "--database-replica-urls",
+            &replica,
+            "--replica-max-lag",
+            "5s",
+            "--load-timeout",
+            "2s",
+        ])
+        .await;
+    until_replica(&app, "up").await;
+    let served = routed(&app, "replica", "caught_up").await;
+    assert_eq!(app.get("/posts/1").await.status, 200);
+    assert_eq!(routed(&app, "replica", "caught_up").await, served + 1.0);
+
+    proxy.stall(true);
+    let mut answers = Vec::new();
+    for id in 2..=4 {
+        let started = std::time::Instant::now();
+        let reply = app.get(&format!("/posts/{id}")).await;
+        answers.push((id, reply.status, started.elapsed()));
+    }
+    until_replica(&app, "down").await;
+    proxy.stall(false);
+
+    for (id, status, took) in &answers {
+        assert_eq!(*status, 200, "post {id}: {answers:?}");
+        assert!(
+            *took < Duration::from_millis(1_800),
+            "post {id}: {answers:?}"
+        );
+    }
 }
