@@ -467,9 +467,6 @@ pub fn install_tls_provider() {
 /// How often the guard's keeper looks whether a build is wanted.
 const GUARD_CHECK: Duration = Duration::from_millis(200);
 
-/// Builds the existence guard (`flight/guard.rs`) whenever it stands aside
-/// while the change feed is up: at start, and after a change to every post
-/// or an outage of the feed. Never with CHANGE_FEED=off (it stands aside).
 /// The read replicas' pools (none when DATABASE_REPLICA_URLS is empty).
 fn connect_replicas(args: &ServeArgs) -> anyhow::Result<Option<Arc<Replicas>>> {
     if args.database_replica_urls.0.is_empty() {
@@ -524,6 +521,9 @@ async fn keep_replicas(replicas: Arc<Replicas>, feed: crate::changes::FeedStatus
 /// How often the replicas learn whether the change feed is up.
 const FEED_CHECK: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// Builds the existence guard (`flight/guard.rs`) whenever it stands aside
+/// while the change feed is up: at start, and after a change to every post
+/// or an outage of the feed. Never with CHANGE_FEED=off (it stands aside).
 async fn keep_guard(read_path: Arc<ReadPath<PostStore>>, feed: crate::changes::FeedStatus) {
     loop {
         let wanted = read_path.settings().existence_guard && read_path.guard().wants_build();
