@@ -66,7 +66,7 @@ pub(super) struct Batches<S: Source> {
     /// Most statements in flight.
     max_running: usize,
     /// Longest a key waits for its statement to start (DB_ACQUIRE_TIMEOUT):
-    /// past it the instance is busy (see [`Busy`]) if statements answered
+    /// past it the instance is busy (see [`Busy`]) if statements succeeded
     /// meanwhile, and the load failed if none did (the database is not
     /// answering; see `progress.rs`).
     patience: Duration,
@@ -202,14 +202,15 @@ impl<S: Source> Batches<S> {
                     let at = queue.waiting.iter().position(|q| q.ticket == ticket);
                     at.and_then(|at| queue.waiting.remove(at)).is_some()
                 };
-                if dequeued && self.answered.answered_since(queued_at) {
-                    return Err(Busy.into());
-                }
                 if dequeued {
-                    return Err(anyhow::anyhow!(
-                        "no load statement succeeded in {:?}: the database is not answering",
-                        self.patience
-                    ));
+                    return Err(if self.answered.succeeded_since(queued_at) {
+                        Busy.into()
+                    } else {
+                        anyhow::anyhow!(
+                            "no load statement succeeded in {:?}: the database is not answering",
+                            self.patience
+                        )
+                    });
                 }
                 // Its statement runs: wait for it (LOAD_TIMEOUT bounds it).
                 answer.await
@@ -307,7 +308,7 @@ impl<S: Source> Batches<S> {
         .await;
         let found: Result<HashMap<S::Key, Bytes>, Arc<LoadError>> = match read {
             Ok(Ok(found)) => {
-                self.answered.answered();
+                self.answered.succeeded();
                 Ok(found)
             }
             Ok(Err(error)) => Err(Arc::new(error)),

@@ -1,5 +1,5 @@
 //! The protocol: whether loads are getting answers. Tells an instance that
-//! is busy (its connections all taken by statements that keep answering:
+//! is busy (its connections all taken by statements that keep succeeding:
 //! [`Busy`](super::Busy), 503 with Retry-After and nothing stored) from a
 //! database that has stopped answering (connections all taken by
 //! statements, or connects, that hang: a load failure like any other, so
@@ -32,22 +32,22 @@ impl Default for Progress {
 
 impl Progress {
     /// A statement succeeded now.
-    pub fn answered(&self) {
+    pub fn succeeded(&self) {
         let since = self.base.elapsed().as_nanos().max(1);
         self.last
             .fetch_max(u64::try_from(since).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
-    /// Whether a statement answered at or after `since`.
-    pub fn answered_since(&self, since: Instant) -> bool {
+    /// Whether a statement succeeded at or after `since`.
+    pub fn succeeded_since(&self, since: Instant) -> bool {
         let last = self.last.load(Ordering::Relaxed);
         last != 0 && self.base + Duration::from_nanos(last) >= since
     }
 
-    /// Whether a statement answered within the last `window`.
-    pub fn answered_within(&self, window: Duration) -> bool {
+    /// Whether a statement succeeded within the last `window`.
+    pub fn succeeded_within(&self, window: Duration) -> bool {
         let now = Instant::now();
-        self.answered_since(now.checked_sub(window).unwrap_or(self.base))
+        self.succeeded_since(now.checked_sub(window).unwrap_or(self.base))
     }
 }
 
@@ -59,16 +59,16 @@ mod tests {
     async fn an_answer_counts_for_the_window_it_falls_in() {
         let progress = Progress::default();
         assert!(
-            !progress.answered_within(Duration::from_secs(3600)),
+            !progress.succeeded_within(Duration::from_secs(3600)),
             "never"
         );
         tokio::time::advance(Duration::from_millis(10)).await;
-        progress.answered();
+        progress.succeeded();
         let at = Instant::now();
-        assert!(progress.answered_since(at));
+        assert!(progress.succeeded_since(at));
         tokio::time::advance(Duration::from_millis(300)).await;
-        assert!(progress.answered_within(Duration::from_millis(300)));
-        assert!(!progress.answered_within(Duration::from_millis(299)));
-        assert!(!progress.answered_since(at + Duration::from_millis(1)));
+        assert!(progress.succeeded_within(Duration::from_millis(300)));
+        assert!(!progress.succeeded_within(Duration::from_millis(299)));
+        assert!(!progress.succeeded_since(at + Duration::from_millis(1)));
     }
 }

@@ -98,7 +98,7 @@ impl PostStore {
             },
         )
         .await
-        .inspect(|_| self.answered.answered())
+        .inspect(|_| self.answered.succeeded())
     }
 
     /// The posts with these ids that exist, in one statement.
@@ -111,7 +111,7 @@ impl PostStore {
             .fetch_all(&self.pool)
         })
         .await
-        .inspect(|_| self.answered.answered())
+        .inspect(|_| self.answered.succeeded())
     }
 
     /// A failed read as a load error: [`crate::flight::Busy`] when every
@@ -125,7 +125,7 @@ impl PostStore {
         let waited = self.pool.options().get_acquire_timeout();
         match error {
             sqlx::Error::PoolTimedOut
-                if self.exhausted() && self.answered.answered_within(waited) =>
+                if self.exhausted() && self.answered.succeeded_within(waited) =>
             {
                 crate::flight::Busy.into()
             }
