@@ -17,8 +17,8 @@
 //! - [`posts`] — the post: its id (parsed wherever one arrives), its JSON
 //!   and its SQL; every `timestamptz` PostgreSQL holds (`infinity`, BC
 //!   years) as JSON; loads from read replicas that have replayed each
-//!   key's last change (`replicas.rs`, and after a change to every post
-//!   `floor.rs`).
+//!   key's last change (`replicas.rs`, its probe `replicas/probe.rs`, and
+//!   after a change to every post `floor.rs`).
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`flight`] — the protocol, generic over what it loads:
 //!   look up → judge (`freshness.rs`) → in-process flight (`local.rs`) →
@@ -27,10 +27,12 @@
 //!   loads batched into shared statements (`batch.rs`), busy told from a
 //!   database that stopped answering (`progress.rs`); many keys read
 //!   at once (`many.rs`); the memory tier, background refreshes, changes
-//!   applied, the load lab's strategies.
+//!   applied, the load lab's strategies; what it loads from is a
+//!   [`flight::Source`] (`source.rs`).
 //! - [`redis`] — the Redis side: commands bounded by REDIS_TIMEOUT, a
 //!   client and a circuit breaker per node, the Lua scripts each with a
-//!   typed call and reply (`scripts/`), the shared subscriber.
+//!   typed call and reply (`scripts/`), the shared subscriber, and the
+//!   clients made from REDIS_URL (`connect.rs`).
 //! - [`changes`] — the change feed: PostgreSQL's changes to `posts`, by any
 //!   writer, invalidate the cache fleet-wide: logical replication with one
 //!   decoder per fleet fanned out through a Redis Stream (`replication`,

@@ -4,11 +4,7 @@
 use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context;
-use fred::{
-    clients::SubscriberClient,
-    prelude::*,
-    types::config::{ClusterDiscoveryPolicy, Config as RedisConfig, ReconnectPolicy, ServerConfig},
-};
+use fred::{clients::SubscriberClient, prelude::*};
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::task::AbortOnDropHandle;
 
@@ -24,21 +20,11 @@ use crate::{
     telemetry,
 };
 
-/// Longest the service waits for Redis at start before serving fail-open.
-const REDIS_STARTUP_WAIT: Duration = Duration::from_secs(2);
 /// Longest a shutdown waits for running flights and refreshes (so that a
 /// leader still publishes its outcome and releases its lock).
 const DRAIN_LIMIT: Duration = Duration::from_secs(10);
 /// Longest a shutdown waits for each of Redis's QUIT and the pool's close.
 const QUIT_LIMIT: Duration = Duration::from_secs(2);
-/// Reconnect delays: from 50 ms doubling up to 100 ms, for ever, plus up to
-/// RECONNECT_JITTER_MS. Short, because a Redis that comes back empty must be
-/// found within a fraction of a second (the read path fails open meanwhile,
-/// loading from PostgreSQL); a refused connection costs Redis nothing.
-const RECONNECT_MIN_MS: u32 = 50;
-const RECONNECT_MAX_MS: u32 = 100;
-const RECONNECT_JITTER_MS: u32 = 50;
-
 /// Connections the kernel queues for the accept loop (capped by the
 /// system's `somaxconn`). Larger than the usual 1,024, so that a burst of new
 /// connections is accepted, or refused with a 503 past MAX_CONNECTIONS, at
@@ -123,7 +109,8 @@ impl Application {
         }
         let pool = db::connect(&args.database).await?;
         let replicas = connect_replicas(&args)?;
-        let (redis, subscriber, nodes) = connect_redis(&args).await?;
+        let (redis, subscriber, nodes) =
+            crate::redis::connect(&args.cache.redis_url, args.cache.redis_timeout).await?;
         let c = &args.cache;
         let nodes = Arc::new(nodes);
         let commands = RedisCommands::with_nodes(nodes.clone(), c.redis_timeout);
@@ -296,144 +283,6 @@ fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// Reads REDIS_URL: `redis://` or `rediss://` for one server,
-/// `redis-cluster://host:port[,host:port…]` (or `rediss-cluster://`) for a
-/// Redis Cluster, whose nodes may also be given as `?node=host:port`.
-pub fn redis_config(url: &str) -> anyhow::Result<RedisConfig> {
-    let url = cluster_nodes_as_query(url);
-    // The URL may hold a password: never put it in an error message.
-    let mut config = RedisConfig::from_url(&url)
-        .map_err(|e| anyhow::anyhow!("invalid REDIS_URL: {}", e.kind().to_str()))?;
-    // Redis down at start is not fatal: keep reconnecting, serve fail-open meanwhile.
-    config.fail_fast = false;
-    // The topology is re-read from any node of the last one known, as well
-    // as from REDIS_URL's (whose names are resolved again each time). The
-    // client library's default asks REDIS_URL's nodes only: with one seed
-    // named, a failover of that seed was never seen, and its slots stayed
-    // on the dead node, bypassed, for good.
-    if config.server.is_clustered() {
-        config
-            .server
-            .set_cluster_discovery_policy(ClusterDiscoveryPolicy::UseCache)
-            .expect("a cluster's server settings");
-    }
-    Ok(config)
-}
-
-/// `redis-cluster://a:1,b:2,c:3` → `redis-cluster://a:1?node=b:2&node=c:3`,
-/// the form the client library reads.
-fn cluster_nodes_as_query(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    if !scheme.ends_with("-cluster") {
-        return url.to_owned();
-    }
-    let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
-    let (credentials, hosts) = match authority.rsplit_once('@') {
-        Some((c, h)) => (format!("{c}@"), h),
-        None => (String::new(), authority),
-    };
-    let mut hosts = hosts.split(',').filter(|h| !h.is_empty());
-    let Some(first) = hosts.next() else {
-        return url.to_owned();
-    };
-    let extra: Vec<String> = hosts.map(|h| format!("node={h}")).collect();
-    if extra.is_empty() {
-        return url.to_owned();
-    }
-    let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
-    let mut params: Vec<String> = query
-        .split('&')
-        .filter(|q| !q.is_empty())
-        .map(str::to_owned)
-        .collect();
-    params.extend(extra);
-    format!("{scheme}://{credentials}{first}{path}?{}", params.join("&"))
-}
-
-/// The client builder of REDIS_URL with the service's connection policy:
-/// reconnecting for ever, each command bounded by REDIS_TIMEOUT.
-fn redis_builder(cache: &CacheSettings) -> anyhow::Result<Builder> {
-    let config = redis_config(&cache.redis_url)?;
-    let mut builder = Builder::from_config(config);
-    builder
-        .set_policy({
-            let mut policy =
-                ReconnectPolicy::new_exponential(0, RECONNECT_MIN_MS, RECONNECT_MAX_MS, 2);
-            policy.set_jitter(RECONNECT_JITTER_MS);
-            policy
-        })
-        .with_connection_config(|c| {
-            c.connection_timeout = cache.redis_timeout.max(Duration::from_millis(500));
-            c.internal_command_timeout = cache.redis_timeout.max(Duration::from_millis(500));
-        })
-        .with_performance_config(|p| {
-            // Each command bounded inside the client too: a command whose
-            // own bound fires is marked, and the client does not replay it on
-            // the next connection. (The read path's bound, the same
-            // REDIS_TIMEOUT, may fire first, or the request go away, and then
-            // the command can still be replayed: a lock attempt left that way
-            // is released behind it, see `leader.rs`.)
-            p.default_command_timeout = cache.redis_timeout;
-            // The shared subscriber's fan-out buffer: a stampede over many
-            // keys must not lag it (a lag costs every waiter a re-check).
-            p.broadcast_channel_capacity = 4096;
-        });
-    Ok(builder)
-}
-
-/// The commands of REDIS_URL for a one-shot command (`invalidate`): one
-/// client, connected (a cluster client routes each key by itself).
-pub async fn redis_commands(cache: &CacheSettings) -> anyhow::Result<RedisCommands> {
-    let client = redis_builder(cache)?
-        .build()
-        .context("invalid Redis settings")?;
-    drop(client.connect());
-    tokio::time::timeout(REDIS_STARTUP_WAIT, client.wait_for_connect())
-        .await
-        .context("Redis did not answer")?
-        .context("failed to connect to Redis")?;
-    Ok(RedisCommands::new(client, cache.redis_timeout))
-}
-
-/// The command client, the shared subscriber (both reconnecting for ever),
-/// and where each key's commands go: on a cluster, a client per primary,
-/// made with the same settings as its node appears.
-async fn connect_redis(args: &ServeArgs) -> anyhow::Result<(Client, SubscriberClient, Nodes)> {
-    let builder = redis_builder(&args.cache)?;
-    let client = builder.build().context("invalid Redis settings")?;
-    let subscriber = builder
-        .build_subscriber_client()
-        .context("invalid Redis settings")?;
-    // The connection tasks run (and reconnect) in the background.
-    drop(client.connect());
-    drop(subscriber.connect());
-    let ready = async {
-        client.wait_for_connect().await?;
-        subscriber.wait_for_connect().await
-    };
-    match tokio::time::timeout(REDIS_STARTUP_WAIT, ready).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "redis unavailable at start; serving fail-open"),
-        Err(_) => tracing::warn!("redis unavailable at start; serving fail-open"),
-    }
-    let nodes = if client.is_clustered() {
-        Nodes::cluster(client.clone(), move |server| {
-            let mut node = builder.clone();
-            let mut config = node.get_config().cloned().unwrap_or_default();
-            config.server = ServerConfig::Centralized {
-                server: server.clone(),
-            };
-            node.set_config(config);
-            Ok(node.build()?)
-        })
-    } else {
-        Nodes::single(client.clone())
-    };
-    Ok((client, subscriber, nodes))
-}
-
 /// Completes on ctrl-c or SIGTERM.
 pub async fn shutdown_signal() {
     let ctrl_c = async {
@@ -550,38 +399,5 @@ async fn keep_guard(read_path: Arc<ReadPath<PostStore>>, feed: crate::changes::F
             }
         }
         tokio::time::sleep(GUARD_CHECK).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cluster_urls_list_their_nodes_with_commas() {
-        assert_eq!(
-            cluster_nodes_as_query("redis-cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002"),
-            "redis-cluster://127.0.0.1:7000?node=127.0.0.1:7001&node=127.0.0.1:7002"
-        );
-        assert_eq!(
-            cluster_nodes_as_query("rediss-cluster://u:p@a:1,b:2"),
-            "rediss-cluster://u:p@a:1?node=b:2"
-        );
-        assert_eq!(cluster_nodes_as_query("redis://a:1"), "redis://a:1");
-        assert_eq!(
-            cluster_nodes_as_query("redis-cluster://a:1?node=b:2"),
-            "redis-cluster://a:1?node=b:2"
-        );
-        let config = redis_config("redis-cluster://127.0.0.1:7000,127.0.0.1:7001").unwrap();
-        assert!(config.server.is_clustered());
-        // The topology is re-read from the nodes last seen, not only these.
-        let ServerConfig::Clustered { policy, .. } = &config.server else {
-            panic!("a cluster")
-        };
-        assert_eq!(*policy, ClusterDiscoveryPolicy::UseCache);
-        assert!(!redis_config("redis://127.0.0.1:6379")
-            .unwrap()
-            .server
-            .is_clustered());
     }
 }

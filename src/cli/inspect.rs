@@ -20,7 +20,6 @@ use crate::{
     cache::{now_millis, Entry, Keys, Status},
     config::InspectArgs,
     redis::{snapshot, ItemSnapshot},
-    startup,
 };
 
 /// Characters of the lock holder's token shown (its tokens are 32 hex
@@ -128,7 +127,8 @@ pub struct Channel {
 
 pub async fn run(args: &InspectArgs) -> anyhow::Result<Inspection> {
     args.cache.validate()?;
-    let redis = startup::redis_commands(&args.cache).await?;
+    let redis =
+        crate::redis::connect_commands(&args.cache.redis_url, args.cache.redis_timeout).await?;
     let keys = Keys::new(args.cache.key_prefix.clone(), "post");
     let item = keys.item(args.id);
     let snapshot = snapshot(&redis, &item)

@@ -42,7 +42,8 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
     args.database.validate()?;
     args.cache.validate()?;
     let pool = db::connect(&args.database).await?;
-    let redis = startup::redis_commands(&args.cache).await?;
+    let redis =
+        crate::redis::connect_commands(&args.cache.redis_url, args.cache.redis_timeout).await?;
     let keys = Keys::new(args.cache.key_prefix.clone(), "post");
     let settings = startup::read_path_settings(&args.cache, &args.database);
     let ids: &[i64] = if args.all { &[] } else { &args.ids };
@@ -51,7 +52,7 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
         .context("failed to record the changes in post_changes (is the database migrated?)")?;
     // Where the primary's WAL is now: read replicas that have replayed it
     // have every change made before (see `posts/floor.rs`); 0 if unknown.
-    let lsn = db::wal_position(&pool).await.unwrap_or(0);
+    let lsn = crate::posts::wal_position(&pool).await.unwrap_or(0);
     pool.close().await;
     if args.all {
         let (change, _) = recorded[0];

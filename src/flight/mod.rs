@@ -35,7 +35,8 @@
 //! `local.rs` (in-process flights), `memory.rs` (the memory tier and its
 //! fencing against evictions), `refresh.rs`, `apply.rs` (changes applied to
 //! the cache: fences, tombstones, the cutoff), `panics.rs` (a flight that
-//! panics answers 503, logged once with its key), `settings.rs`, and
+//! panics answers 503, logged once with its key), `settings.rs`,
+//! `source.rs` (what the read path loads from: [`Source`]), and
 //! `strategy.rs`: the load lab's strategies, the one place that reads
 //! CACHE_STRATEGY. The Redis side (commands, nodes, breakers, scripts,
 //! subscriber) is the `redis` module.
@@ -55,14 +56,13 @@ mod panics;
 mod progress;
 mod refresh;
 mod settings;
+mod source;
 mod strategy;
 mod waiter;
 
 use std::{
     collections::HashSet,
-    fmt::Display,
     future::Future,
-    hash::Hash,
     sync::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc, Mutex,
@@ -70,7 +70,6 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -78,6 +77,7 @@ pub use answer::{Answer, ReadError, Served};
 pub use machine::WaitEnd;
 pub use progress::Progress;
 pub use settings::{fence_ttl, Settings};
+pub use source::{Busy, LoadError, Since, Source};
 pub use strategy::Strategy;
 pub use waiter::Wake;
 #[cfg(feature = "testkit")]
@@ -94,90 +94,6 @@ use crate::{
     cache::{now_millis, Keys},
     redis::{RedisCommands, RedisError, Subscriber},
 };
-
-/// Why a load failed; logged by the read path, never shown to clients.
-pub type LoadError = anyhow::Error;
-
-/// A load refused for want of capacity (every connection to the source
-/// taken, none free in time): the key did not fail, this instance was
-/// busy. A [`Source`] returns it inside its [`LoadError`]; nothing is then
-/// stored for the key (no failure marker), the leader lets go of its lock
-/// at once for another instance to take, and the request is answered 503
-/// with Retry-After.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("no connection to the source was free in time")]
-pub struct Busy;
-
-/// The last change to an item a load must see: the change fence its
-/// leader's claim read (the commit LSN of the change, with the change feed
-/// in replication mode). A source with read replicas reads the item only
-/// from one that has replayed that far; one without ignores it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Since(pub u64);
-
-impl Since {
-    /// No change within the fence's lifetime: any replica in rotation will do.
-    pub const ANY: Since = Since(0);
-    /// Only the primary will do (a fence that is no LSN; the load lab's
-    /// baselines, which claim nothing).
-    pub const PRIMARY: Since = Since(u64::MAX);
-
-    /// What a fence read by a claim asks for: nothing when there is none.
-    pub fn of_fence(fence: &str) -> Self {
-        if fence.is_empty() {
-            return Since::ANY;
-        }
-        fence.parse().map(Since).unwrap_or(Since::PRIMARY)
-    }
-}
-
-/// What the read path loads on a miss.
-pub trait Source: Send + Sync + 'static {
-    /// What identifies an item; its `Display` form goes inside the hash tag.
-    type Key: Clone + Eq + Hash + Display + Send + Sync + 'static;
-
-    /// The item's response body, `None` when it does not exist, read so as
-    /// to include `since`.
-    fn load(
-        &self,
-        key: &Self::Key,
-        since: Since,
-    ) -> impl Future<Output = Result<Option<Bytes>, LoadError>> + Send;
-
-    /// The item's number in the existence guard (see guard.rs); `None`
-    /// (the default) keeps the item out of it: its misses always load.
-    fn ordinal(_key: &Self::Key) -> Option<u64> {
-        None
-    }
-
-    /// Every item's ordinal, for the existence guard's build: `None` (the
-    /// default) when the source has no guard.
-    fn ordinals(
-        &self,
-    ) -> impl Future<Output = Result<Option<roaring::RoaringTreemap>, LoadError>> + Send {
-        async { Ok(None) }
-    }
-
-    /// Every item changed at `since` (a change too large to fence item by
-    /// item, or a gap in the feed: [`Since::PRIMARY`] when its LSN is not
-    /// known), the fleet's cutoff raised to `cutoff` (unix ms) for it:
-    /// every load must include it for the fence's lifetime, as if each item
-    /// were fenced with it. Returns the keys read lately, at or after the
-    /// cutoff, from a copy that had not replayed it, for the caller to fence
-    /// with the change (`None`: not known; the caller raises the cutoff
-    /// again). The default: none.
-    fn all_changed(&self, _since: Since, _cutoff: u64) -> Option<Vec<Self::Key>> {
-        Some(Vec::new())
-    }
-
-    /// The bodies of those of `keys` that exist, in one statement (the
-    /// keys are distinct; see `batch.rs`), each read so as to include its
-    /// [`Since`].
-    fn load_many(
-        &self,
-        keys: &[(Self::Key, Since)],
-    ) -> impl Future<Output = Result<Vec<(Self::Key, Bytes)>, LoadError>> + Send;
-}
 
 /// The read path of one process.
 pub struct ReadPath<S: Source> {

@@ -11,7 +11,7 @@ use serde::Serialize;
 use sqlx::PgPool;
 
 pub use id::{InvalidId, PostId};
-pub use replicas::{ReplicaReport, Replicas, PROBE_FRESH};
+pub use replicas::{wal_position, ReplicaReport, Replicas, PROBE_FRESH};
 pub use timestamp::Timestamp;
 
 use crate::flight::{Progress, Since};

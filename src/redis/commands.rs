@@ -1,14 +1,15 @@
 //! The Redis side: the commands, each bounded by REDIS_TIMEOUT and guarded
 //! by the circuit breaker of the node that serves the key (`nodes.rs`);
-//! the scripts' calls (`scripts/`) go through [`RedisCommands::eval`].
+//! the scripts' calls (`scripts/`) go through [`RedisCommands::eval`];
+//! lookups of value keys in `lookup.rs`, the change feed's commands in
+//! `feed.rs`.
+
+mod feed;
+mod lookup;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
-use bytes::Bytes;
-use fred::{
-    prelude::*,
-    types::{Expiration, SetOptions},
-};
+use fred::{prelude::*, types::Expiration};
 use tokio::sync::oneshot;
 use tokio_util::task::AbortOnDropHandle;
 
@@ -16,14 +17,15 @@ use super::{
     breaker::State,
     coalesce::{again, queued_reply, Turn},
     error::{error_label, guarded, is_moved, RedisError},
-    nodes::{self, Node, Nodes},
-    queued::{QueuedClaim, QueuedFinish, QueuedGet},
+    nodes::{self, Nodes},
+    queued::{QueuedClaim, QueuedFinish},
     scripts::{ms, Call, Claim, ClaimKeys, ClaimMany, Claimed, Finish, Finished, Scripts},
 };
 use crate::{
     cache::{Entry, ItemKeys},
     telemetry::metrics,
 };
+use lookup::decoded;
 
 /// What PTTL says of a lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,7 +79,7 @@ impl RedisCommands {
 
     /// The node serving `key` (for tests).
     #[cfg(test)]
-    pub(super) fn node_of(&self, key: &str) -> Arc<Node> {
+    pub(super) fn node_of(&self, key: &str) -> Arc<nodes::Node> {
         self.nodes.for_key(key)
     }
 
@@ -198,73 +200,6 @@ impl RedisCommands {
         }
     }
 
-    /// GET a value key and decode it. Bytes that are not an entry count as
-    /// absent: the next store overwrites them. Batched naturally with the
-    /// node's other lookups (see `coalesce.rs`).
-    pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
-        let node = self.nodes.for_key(key);
-        let turn = node.gets.turn(self, &node, || {
-            let (reply, answer) = oneshot::channel();
-            let key = key.to_owned();
-            (QueuedGet { key, reply }, answer)
-        });
-        let raw = match turn {
-            Turn::Lead(baton) => {
-                let raw = self.get_raw(key).await;
-                drop(baton);
-                raw
-            }
-            Turn::Queued(answer) => queued_reply(self, answer).await,
-        }?;
-        Ok(decoded(key, raw))
-    }
-
-    /// One GET, unbatched.
-    async fn get_raw(&self, key: &str) -> Result<Option<Bytes>, RedisError> {
-        self.bounded(key, |c| async move { c.get(key).await }).await
-    }
-
-    /// The raw values of `names`, all served by `node`, in one round trip:
-    /// an MGET on a single Redis, a pipeline of GETs on a cluster node (a
-    /// node's keys are in many slots, which one MGET cannot span). Under
-    /// the node's breaker and REDIS_TIMEOUT. If the node refuses the batch
-    /// (a MOVED: a slot has moved), each key is read on its own, which
-    /// follows the redirection and gives each key its own error.
-    pub(super) async fn read_node(
-        &self,
-        node: &Node,
-        names: &[&str],
-    ) -> Vec<Result<Option<Bytes>, RedisError>> {
-        if let [name] = names {
-            return vec![self.get_raw(name).await];
-        }
-        metrics::redis_call();
-        let sent = Box::pin(async {
-            if self.sharded {
-                let pipeline = node.client.pipeline();
-                for name in names {
-                    pipeline.get::<(), _>(*name).await?;
-                }
-                pipeline.all::<Vec<Option<Bytes>>>().await
-            } else {
-                node.client
-                    .mget::<Vec<Option<Bytes>>, _>(names.to_vec())
-                    .await
-            }
-        });
-        match guarded(&node.breaker, self.timeout, sent).await {
-            Ok(raws) if raws.len() == names.len() => raws.into_iter().map(Ok).collect(),
-            Ok(_) => names
-                .iter()
-                .map(|_| Err(RedisError::Reply("mget")))
-                .collect(),
-            Err(RedisError::Command(_)) => {
-                futures::future::join_all(names.iter().map(|name| self.get_raw(name))).await
-            }
-            Err(error) => names.iter().map(|_| Err(again(&error))).collect(),
-        }
-    }
-
     /// SET a value with a TTL (the strategies without a lock).
     pub async fn store(&self, key: &str, entry: &Entry, ttl: Duration) -> Result<(), RedisError> {
         let px = ms(ttl).max(1);
@@ -274,34 +209,6 @@ impl RedisCommands {
                 .await
         })
         .await
-    }
-
-    /// The entries of many value keys, in one round trip per node (see
-    /// [`RedisCommands::read_node`]).
-    pub async fn lookup_many(&self, keys: &[String]) -> Vec<Result<Option<Entry>, RedisError>> {
-        let mut groups: Vec<(Arc<Node>, Vec<usize>)> = Vec::new();
-        for (at, key) in keys.iter().enumerate() {
-            let node = self.nodes.for_key(key);
-            match groups.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
-                Some((_, members)) => members.push(at),
-                None => groups.push((node, vec![at])),
-            }
-        }
-        let reads = groups.iter().map(|(node, members)| async move {
-            let names: Vec<&str> = members.iter().map(|&at| keys[at].as_str()).collect();
-            (members, self.read_node(node, &names).await)
-        });
-        let mut found: Vec<Option<Result<Option<Entry>, RedisError>>> =
-            keys.iter().map(|_| None).collect();
-        for (members, looked) in futures::future::join_all(reads).await {
-            for (&at, raw) in members.iter().zip(looked) {
-                found[at] = Some(raw.map(|raw| decoded(&keys[at], raw)));
-            }
-        }
-        found
-            .into_iter()
-            .map(|read| read.unwrap_or(Err(RedisError::Reply("mget"))))
-            .collect()
     }
 
     /// Takes an item's lock with `token` (`SET NX PX ttl`) and, if taken,
@@ -446,85 +353,6 @@ impl RedisCommands {
         !self.sharded
     }
 
-    /// The cutoff stored at `key` (unix ms; 0 when none). Under
-    /// REDIS_TIMEOUT but not the breaker: it is read every second in the
-    /// background, and must neither take a half-open probe meant for a
-    /// read nor open the breaker for the reads.
-    pub async fn cutoff(&self, key: &str) -> Result<u64, RedisError> {
-        let raw: Option<String> = self
-            .unrefused(key, |c| async move { c.get(key).await })
-            .await?;
-        Ok(raw.and_then(|r| r.parse().ok()).unwrap_or(0))
-    }
-
-    /// XADD of `fields` to the stream at `key`, trimmed to about `max`
-    /// entries. Under REDIS_TIMEOUT but not the breaker: the change feed's
-    /// beats come every half second, and must neither take a half-open
-    /// probe meant for a read nor open the breaker for the reads.
-    pub async fn stream_append(
-        &self,
-        key: &str,
-        max: u64,
-        fields: Vec<(&'static str, String)>,
-    ) -> Result<(), RedisError> {
-        self.unrefused(key, |c| {
-            let fields = fields.clone();
-            async move {
-                c.xadd::<Value, _, _, _, _>(key, false, ("MAXLEN", "~", max as i64), "*", fields)
-                    .await
-                    .map(drop)
-            }
-        })
-        .await
-    }
-
-    /// The change feed's gap marker at `key` (see `Keys::feed_gap`): sets it
-    /// to `why` unless it is set already (the first reason stays). Not
-    /// through the breaker, as the stream.
-    pub async fn mark_gap(&self, key: &str, why: &str) -> Result<(), RedisError> {
-        self.unrefused(key, |c| async move {
-            c.set::<Value, _, _>(key, why, None, Some(SetOptions::NX), false)
-                .await
-                .map(drop)
-        })
-        .await
-    }
-
-    /// The change feed's gap marker at `key`: why the gap, when one is open.
-    pub async fn gap(&self, key: &str) -> Result<Option<String>, RedisError> {
-        self.unrefused(key, |c| async move { c.get(key).await })
-            .await
-    }
-
-    /// Closes the change feed's gap at `key` (the cutoff is raised).
-    pub async fn close_gap(&self, key: &str) -> Result<(), RedisError> {
-        self.unrefused(
-            key,
-            |c| async move { c.del::<Value, _>(key).await.map(drop) },
-        )
-        .await
-    }
-
-    /// A client of its own, with the same settings, not yet connected: for
-    /// a blocking read, which would hold up every command queued behind it
-    /// on a shared connection.
-    pub fn dedicated_client(&self) -> Client {
-        self.nodes.default_client().clone_new()
-    }
-
-    /// GET of a plain string key.
-    pub async fn get_string(&self, key: &str) -> Result<Option<String>, RedisError> {
-        self.bounded(key, |c| async move { c.get(key).await }).await
-    }
-
-    /// SET of a plain string key, without expiry.
-    pub async fn set_string(&self, key: &str, value: &str) -> Result<(), RedisError> {
-        self.bounded(key, |c| async move {
-            c.set(key, value, None, None, false).await
-        })
-        .await
-    }
-
     /// PING, for readiness (bypasses the breaker: readiness must see the
     /// truth). On a cluster, each primary through its own client, at once:
     /// the cluster serves while any of them answers (the slots of one that
@@ -551,16 +379,4 @@ impl RedisCommands {
         }
         Err(last.expect("at least one primary was asked"))
     }
-}
-
-/// An entry read from `key`; bytes that are not one count as absent.
-fn decoded(key: &str, raw: Option<Bytes>) -> Option<Entry> {
-    raw.and_then(|raw| match Entry::decode(raw) {
-        Ok(entry) => Some(entry),
-        Err(error) => {
-            metrics::garbage("entry");
-            tracing::warn!(%error, key, "undecodable cache entry, treated as a miss");
-            None
-        }
-    })
 }

@@ -2,13 +2,15 @@
 //! by REDIS_TIMEOUT (`commands.rs`), routed per key to a node and its
 //! circuit breaker (`nodes.rs`, `breaker.rs`), the Lua scripts with their
 //! typed calls and replies (`scripts/`), the shared subscriber
-//! (`subscriber/`), and what a failure says of the server (`error.rs`).
+//! (`subscriber/`), what a failure says of the server (`error.rs`), and
+//! the clients made from REDIS_URL (`connect.rs`).
 //! It knows the entry envelope and the key names (`cache`), and nothing of
 //! the protocol that uses it (`flight`).
 
 mod breaker;
 mod coalesce;
 mod commands;
+mod connect;
 mod error;
 mod inspect;
 mod nodes;
@@ -17,6 +19,7 @@ pub mod scripts;
 mod subscriber;
 
 pub use commands::{Before, LockTtl, RedisCommands};
+pub use connect::{config_from_url, connect, connect_commands};
 pub use error::{with_backoff, RedisError, RETRY_FIRST};
 pub use inspect::{snapshot, ItemSnapshot};
 pub use nodes::Nodes;

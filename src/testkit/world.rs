@@ -20,7 +20,7 @@ use crate::{
     config::{Cli, Command, DatabaseSettings, InspectArgs, InvalidateArgs, ServeArgs},
     flight::Hooks,
     posts::PostStore,
-    startup::{redis_config, Application},
+    startup::Application,
 };
 
 /// A fresh, migrated, seeded database and a key prefix, dropped with it.
@@ -88,7 +88,7 @@ impl TestEnv {
             .connect(&db_url)
             .await
             .expect("failed to connect to the test database");
-        let redis = Builder::from_config(redis_config(&redis_url).unwrap())
+        let redis = Builder::from_config(crate::redis::config_from_url(&redis_url).unwrap())
             .set_policy(fred::types::config::ReconnectPolicy::new_constant(0, 100))
             .build()
             .unwrap();

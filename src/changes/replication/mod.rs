@@ -232,7 +232,7 @@ impl Candidate {
         let why = GapWhy::parse(&why);
         // Every change the gap may hold committed before now: a read replica
         // that has replayed this far has them all (unread: the primary only).
-        let floor = crate::db::wal_position(&self.pool)
+        let floor = crate::posts::wal_position(&self.pool)
             .await
             .map_or(Since::PRIMARY, Since);
         let cutoff = self.all_posts(None, floor).await?;

@@ -1,0 +1,90 @@
+//! The change feed's commands: the cutoff, the stream, the gap marker and
+//! the decoder's position. They go around the breaker (see
+//! [`RedisCommands::unrefused`]), except the position's, which the feed
+//! reads and writes as any command.
+
+use fred::{prelude::*, types::SetOptions};
+
+use super::RedisCommands;
+use crate::redis::error::RedisError;
+
+impl RedisCommands {
+    /// The cutoff stored at `key` (unix ms; 0 when none). Under
+    /// REDIS_TIMEOUT but not the breaker: it is read every second in the
+    /// background, and must neither take a half-open probe meant for a
+    /// read nor open the breaker for the reads.
+    pub async fn cutoff(&self, key: &str) -> Result<u64, RedisError> {
+        let raw: Option<String> = self
+            .unrefused(key, |c| async move { c.get(key).await })
+            .await?;
+        Ok(raw.and_then(|r| r.parse().ok()).unwrap_or(0))
+    }
+
+    /// XADD of `fields` to the stream at `key`, trimmed to about `max`
+    /// entries. Under REDIS_TIMEOUT but not the breaker: the change feed's
+    /// beats come every half second, and must neither take a half-open
+    /// probe meant for a read nor open the breaker for the reads.
+    pub async fn stream_append(
+        &self,
+        key: &str,
+        max: u64,
+        fields: Vec<(&'static str, String)>,
+    ) -> Result<(), RedisError> {
+        self.unrefused(key, |c| {
+            let fields = fields.clone();
+            async move {
+                c.xadd::<Value, _, _, _, _>(key, false, ("MAXLEN", "~", max as i64), "*", fields)
+                    .await
+                    .map(drop)
+            }
+        })
+        .await
+    }
+
+    /// The change feed's gap marker at `key` (see `Keys::feed_gap`): sets it
+    /// to `why` unless it is set already (the first reason stays). Not
+    /// through the breaker, as the stream.
+    pub async fn mark_gap(&self, key: &str, why: &str) -> Result<(), RedisError> {
+        self.unrefused(key, |c| async move {
+            c.set::<Value, _, _>(key, why, None, Some(SetOptions::NX), false)
+                .await
+                .map(drop)
+        })
+        .await
+    }
+
+    /// The change feed's gap marker at `key`: why the gap, when one is open.
+    pub async fn gap(&self, key: &str) -> Result<Option<String>, RedisError> {
+        self.unrefused(key, |c| async move { c.get(key).await })
+            .await
+    }
+
+    /// Closes the change feed's gap at `key` (the cutoff is raised).
+    pub async fn close_gap(&self, key: &str) -> Result<(), RedisError> {
+        self.unrefused(
+            key,
+            |c| async move { c.del::<Value, _>(key).await.map(drop) },
+        )
+        .await
+    }
+
+    /// A client of its own, with the same settings, not yet connected: for
+    /// a blocking read, which would hold up every command queued behind it
+    /// on a shared connection.
+    pub fn dedicated_client(&self) -> Client {
+        self.nodes.default_client().clone_new()
+    }
+
+    /// GET of a plain string key.
+    pub async fn get_string(&self, key: &str) -> Result<Option<String>, RedisError> {
+        self.bounded(key, |c| async move { c.get(key).await }).await
+    }
+
+    /// SET of a plain string key, without expiry.
+    pub async fn set_string(&self, key: &str, value: &str) -> Result<(), RedisError> {
+        self.bounded(key, |c| async move {
+            c.set(key, value, None, None, false).await
+        })
+        .await
+    }
+}

@@ -1,0 +1,130 @@
+//! Lookups: value keys read and decoded, one at a time (batched with the
+//! node's other lookups, see `coalesce.rs`) or many in one round trip per
+//! node.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fred::prelude::*;
+use tokio::sync::oneshot;
+
+use super::RedisCommands;
+use crate::{
+    cache::Entry,
+    redis::{
+        coalesce::{again, queued_reply, Turn},
+        error::{guarded, RedisError},
+        nodes::Node,
+        queued::QueuedGet,
+    },
+    telemetry::metrics,
+};
+
+impl RedisCommands {
+    /// GET a value key and decode it. Bytes that are not an entry count as
+    /// absent: the next store overwrites them. Batched naturally with the
+    /// node's other lookups (see `coalesce.rs`).
+    pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
+        let node = self.nodes.for_key(key);
+        let turn = node.gets.turn(self, &node, || {
+            let (reply, answer) = oneshot::channel();
+            let key = key.to_owned();
+            (QueuedGet { key, reply }, answer)
+        });
+        let raw = match turn {
+            Turn::Lead(baton) => {
+                let raw = self.get_raw(key).await;
+                drop(baton);
+                raw
+            }
+            Turn::Queued(answer) => queued_reply(self, answer).await,
+        }?;
+        Ok(decoded(key, raw))
+    }
+
+    /// One GET, unbatched.
+    async fn get_raw(&self, key: &str) -> Result<Option<Bytes>, RedisError> {
+        self.bounded(key, |c| async move { c.get(key).await }).await
+    }
+
+    /// The raw values of `names`, all served by `node`, in one round trip:
+    /// an MGET on a single Redis, a pipeline of GETs on a cluster node (a
+    /// node's keys are in many slots, which one MGET cannot span). Under
+    /// the node's breaker and REDIS_TIMEOUT. If the node refuses the batch
+    /// (a MOVED: a slot has moved), each key is read on its own, which
+    /// follows the redirection and gives each key its own error.
+    pub(in crate::redis) async fn read_node(
+        &self,
+        node: &Node,
+        names: &[&str],
+    ) -> Vec<Result<Option<Bytes>, RedisError>> {
+        if let [name] = names {
+            return vec![self.get_raw(name).await];
+        }
+        metrics::redis_call();
+        let sent = Box::pin(async {
+            if self.sharded {
+                let pipeline = node.client.pipeline();
+                for name in names {
+                    pipeline.get::<(), _>(*name).await?;
+                }
+                pipeline.all::<Vec<Option<Bytes>>>().await
+            } else {
+                node.client
+                    .mget::<Vec<Option<Bytes>>, _>(names.to_vec())
+                    .await
+            }
+        });
+        match guarded(&node.breaker, self.timeout, sent).await {
+            Ok(raws) if raws.len() == names.len() => raws.into_iter().map(Ok).collect(),
+            Ok(_) => names
+                .iter()
+                .map(|_| Err(RedisError::Reply("mget")))
+                .collect(),
+            Err(RedisError::Command(_)) => {
+                futures::future::join_all(names.iter().map(|name| self.get_raw(name))).await
+            }
+            Err(error) => names.iter().map(|_| Err(again(&error))).collect(),
+        }
+    }
+
+    /// The entries of many value keys, in one round trip per node (see
+    /// [`RedisCommands::read_node`]).
+    pub async fn lookup_many(&self, keys: &[String]) -> Vec<Result<Option<Entry>, RedisError>> {
+        let mut groups: Vec<(Arc<Node>, Vec<usize>)> = Vec::new();
+        for (at, key) in keys.iter().enumerate() {
+            let node = self.nodes.for_key(key);
+            match groups.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
+                Some((_, members)) => members.push(at),
+                None => groups.push((node, vec![at])),
+            }
+        }
+        let reads = groups.iter().map(|(node, members)| async move {
+            let names: Vec<&str> = members.iter().map(|&at| keys[at].as_str()).collect();
+            (members, self.read_node(node, &names).await)
+        });
+        let mut found: Vec<Option<Result<Option<Entry>, RedisError>>> =
+            keys.iter().map(|_| None).collect();
+        for (members, looked) in futures::future::join_all(reads).await {
+            for (&at, raw) in members.iter().zip(looked) {
+                found[at] = Some(raw.map(|raw| decoded(&keys[at], raw)));
+            }
+        }
+        found
+            .into_iter()
+            .map(|read| read.unwrap_or(Err(RedisError::Reply("mget"))))
+            .collect()
+    }
+}
+
+/// An entry read from `key`; bytes that are not one count as absent.
+pub(super) fn decoded(key: &str, raw: Option<Bytes>) -> Option<Entry> {
+    raw.and_then(|raw| match Entry::decode(raw) {
+        Ok(entry) => Some(entry),
+        Err(error) => {
+            metrics::garbage("entry");
+            tracing::warn!(%error, key, "undecodable cache entry, treated as a miss");
+            None
+        }
+    })
+}
