@@ -223,6 +223,7 @@ impl Replicas {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let mut tried_any = false;
         let mut failed = false;
+        let mut busy = false;
         for i in 0..n {
             if left.is_empty() {
                 break;
@@ -261,7 +262,7 @@ impl Replicas {
                     found.extend(posts.into_iter().filter(|post| !behind.contains(&post.id)));
                     metrics::routed_to_replica(done);
                 }
-                Err(ReadFailed::Busy) => {}
+                Err(ReadFailed::Busy) => busy = true,
                 Err(ReadFailed::Error(error)) => {
                     failed = true;
                     let failures = replica.failures.fetch_add(1, Ordering::Relaxed) + 1;
@@ -278,6 +279,8 @@ impl Replicas {
         if !left.is_empty() {
             let reason = if failed {
                 "failed"
+            } else if busy {
+                "busy"
             } else if tried_any {
                 "behind"
             } else {

@@ -423,3 +423,56 @@ async fn a_replica_whose_network_stalls_costs_a_load_half_its_timeout_not_the_lo
         );
     }
 }
+
+/// A replica whose one connection is taken by a read that hangs: the next
+/// load finds none free within its short wait, goes to the primary, and is
+/// counted there as `busy`, not as a key the replica was `behind` on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_with_no_connection_free_sends_loads_to_the_primary_counted_as_busy() {
+    let Some(r) = Replicated::start(60, &[]).await else {
+        return;
+    };
+    let proxy = TcpProxy::start(format!("127.0.0.1:{}", r.standby.port).parse().unwrap()).await;
+    let replica = format!("postgres://postgres@{}/{}", proxy.addr, r.env.db_name);
+    let app = r
+        .env
+        .spawn(&[
+            "--change-feed",
+            "replication",
+            "--database-replica-urls",
+            &replica,
+            "--replica-max-lag",
+            "5s",
+            "--load-timeout",
+            "2s",
+            "--db-max-connections",
+            "1",
+        ])
+        .await;
+    until_replica(&app, "up").await;
+    assert_eq!(app.get("/posts/1").await.status, 200);
+
+    proxy.stall(true);
+    let (busy, behind) = (
+        routed(&app, "primary", "busy").await,
+        routed(&app, "primary", "behind").await,
+    );
+    // The first read takes the replica's one connection and stalls on it
+    // for half of LOAD_TIMEOUT. The second (one connection: one statement
+    // at a time) comes after it and finds that connection, abandoned
+    // mid-query over a stalled network, not yet free.
+    let first = app.get("/posts/2");
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        app.get("/posts/3").await
+    };
+    let (first, second) = tokio::join!(first, second);
+    proxy.stall(false);
+    assert_eq!(first.status, 200);
+    assert_eq!(second.status, 200);
+    assert!(
+        routed(&app, "primary", "busy").await > busy,
+        "the second load was not counted busy"
+    );
+    assert_eq!(routed(&app, "primary", "behind").await, behind);
+}

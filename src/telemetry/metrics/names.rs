@@ -110,7 +110,7 @@ pub const GUARD_BUILD: &str = "postcache_guard_build_seconds";
 /// or `primary` with why (`reason`: `behind`, the key changed past what
 /// every replica in rotation had replayed; `no_replica`, none in rotation
 /// or the change feed not up in replication mode; `failed`, the replicas
-/// tried failed).
+/// tried failed; `busy`, no connection of theirs was free in time).
 pub const REPLICA_ROUTED: &str = "postcache_replica_routed_total";
 /// Per replica (`replica`): whether it is in the rotation (1) or not.
 pub const REPLICA_UP: &str = "postcache_replica_up";
