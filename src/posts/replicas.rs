@@ -100,11 +100,12 @@ pub struct Replicas {
     /// One connection to the primary, for its WAL position.
     primary: PgPool,
     max_lag: Duration,
-    /// Longest one read from a replica may take (half of LOAD_TIMEOUT):
-    /// past it the load goes on to the next replica or the primary. A
-    /// replica whose network stalls (no answer, not even the statement
-    /// timeout's) costs a load this, not its whole LOAD_TIMEOUT, until the
-    /// probe takes it out of the rotation.
+    /// Longest a load spends on the replicas, all of them together (half
+    /// of LOAD_TIMEOUT): past it the load goes on to the primary. A replica
+    /// whose network stalls (no answer, not even the statement timeout's)
+    /// costs a load at most this, not its whole LOAD_TIMEOUT, until the
+    /// probe takes it out of the rotation; and however many stall, the
+    /// primary keeps the other half.
     read_timeout: Duration,
     epoch: Instant,
     /// Where the next load starts its turn.
@@ -224,8 +225,9 @@ impl Replicas {
         let mut tried_any = false;
         let mut failed = false;
         let mut busy = false;
+        let deadline = tokio::time::Instant::now() + self.read_timeout;
         for i in 0..n {
-            if left.is_empty() {
+            if left.is_empty() || tokio::time::Instant::now() >= deadline {
                 break;
             }
             let replica = &self.replicas[(start + i) % n];
@@ -244,7 +246,7 @@ impl Replicas {
             if ask.is_empty() {
                 continue;
             }
-            match self.read_from(replica, &ask).await {
+            match self.read_from(replica, &ask, deadline).await {
                 Ok((replayed, posts)) => {
                     replica.failures.store(0, Ordering::Relaxed);
                     replica.replayed.fetch_max(replayed, Ordering::Relaxed);
@@ -294,11 +296,13 @@ impl Replicas {
         }
     }
 
-    /// One round trip: the replica's replay position, then the posts.
+    /// One round trip: the replica's replay position, then the posts; given
+    /// up at `deadline`, the end of the load's time for replicas.
     async fn read_from(
         &self,
         replica: &Replica,
         ids: &[i64],
+        deadline: tokio::time::Instant,
     ) -> Result<(u64, Vec<Post>), ReadFailed> {
         let rows = sqlx::query_as::<_, Row>(
             "select replay_lsn, post_id, post_title, post_body, post_author,
@@ -307,10 +311,13 @@ impl Replicas {
         )
         .bind(ids)
         .fetch_all(&replica.pool);
-        let rows = tokio::time::timeout(self.read_timeout, rows)
+        let rows = tokio::time::timeout_at(deadline, rows)
             .await
             .map_err(|_| {
-                ReadFailed::Error(anyhow::anyhow!("no answer within {:?}", self.read_timeout))
+                ReadFailed::Error(anyhow::anyhow!(
+                    "no answer within the load's {:?} for replicas",
+                    self.read_timeout
+                ))
             })?
             .map_err(|error| match error {
                 sqlx::Error::PoolTimedOut

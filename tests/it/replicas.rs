@@ -476,3 +476,64 @@ async fn a_replica_with_no_connection_free_sends_loads_to_the_primary_counted_as
     );
     assert_eq!(routed(&app, "primary", "behind").await, behind);
 }
+
+/// Two replicas whose networks stall at once: the load's time for replicas
+/// (half of LOAD_TIMEOUT) is one budget for both, so the primary still has
+/// the other half and the load is served, instead of each replica taking
+/// half and the load timing out before it reaches the primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_stalled_replicas_share_half_the_load_timeout_and_the_primary_serves() {
+    let Some(r) = Replicated::start(60, &[]).await else {
+        return;
+    };
+    let standby = format!("127.0.0.1:{}", r.standby.port).parse().unwrap();
+    let (a, b) = (
+        TcpProxy::start(standby).await,
+        TcpProxy::start(standby).await,
+    );
+    let replicas = format!(
+        "postgres://postgres@{}/{db},postgres://postgres@{}/{db}",
+        a.addr,
+        b.addr,
+        db = r.env.db_name
+    );
+    let app = r
+        .env
+        .spawn(&[
+            "--change-feed",
+            "replication",
+            "--database-replica-urls",
+            &replicas,
+            "--replica-max-lag",
+            "5s",
+            "--load-timeout",
+            "1s",
+        ])
+        .await;
+    wait_until("both replicas to be up", A_WHILE, async || {
+        let ready = readyz(&app).await;
+        ready["change_feed"] == "up"
+            && ready["replicas"][0]["state"] == "up"
+            && ready["replicas"][1]["state"] == "up"
+    })
+    .await;
+    // Loads take turns at the replicas: each has a connection open after
+    // these, used under a second ago when the stalled load reaches it (a
+    // connection idle for a second is pinged first, and a replica whose
+    // ping stalls is given up after its short wait for a connection).
+    let served = routed(&app, "replica", "caught_up").await;
+    for id in 10..14 {
+        assert_eq!(app.get(&format!("/posts/{id}")).await.status, 200);
+    }
+    assert_eq!(routed(&app, "replica", "caught_up").await, served + 4.0);
+
+    a.stall(true);
+    b.stall(true);
+    let started = std::time::Instant::now();
+    let reply = app.get("/posts/2").await;
+    let took = started.elapsed();
+    a.stall(false);
+    b.stall(false);
+    assert_eq!(reply.status, 200, "after {took:?}");
+    assert!(took < Duration::from_millis(900), "took {took:?}");
+}
