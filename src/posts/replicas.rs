@@ -74,6 +74,7 @@ pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 pub const PROBE_FRESH: Duration = Duration::from_secs(3);
 /// Loads failing in a row on a replica that open its breaker.
 pub const REPLICA_FAILURES: u32 = 3;
+
 /// One replica: its pools and what its probe and loads saw.
 pub struct Replica {
     /// host:port/database, for logs, metrics and `/readyz`.
