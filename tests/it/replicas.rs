@@ -48,12 +48,18 @@ impl Replicated {
 
     /// [`Replicated::spawn`] with `extra` flags.
     async fn spawn_with(&self, max_lag: &str, extra: &[&str]) -> TestApp {
-        let replica = self.replica_url();
+        self.spawn_reading(&self.replica_url(), max_lag, extra)
+            .await
+    }
+
+    /// An instance reading `replicas` (DATABASE_REPLICA_URLS), the feed in
+    /// replication mode, with `extra` flags; once the first replica is up.
+    async fn spawn_reading(&self, replicas: &str, max_lag: &str, extra: &[&str]) -> TestApp {
         let mut flags = vec![
             "--change-feed",
             "replication",
             "--database-replica-urls",
-            &replica,
+            replicas,
             "--replica-max-lag",
             max_lag,
         ];
@@ -61,6 +67,16 @@ impl Replicated {
         let app = self.env.spawn(&flags).await;
         until_replica(&app, "up").await;
         app
+    }
+
+    /// A proxy in front of the standby, whose network a test can stall.
+    async fn proxy(&self) -> TcpProxy {
+        TcpProxy::start(format!("127.0.0.1:{}", self.standby.port).parse().unwrap()).await
+    }
+
+    /// The standby's URL through `proxy`.
+    fn url_through(&self, proxy: &TcpProxy) -> String {
+        format!("postgres://postgres@{}/{}", proxy.addr, self.env.db_name)
     }
 
     /// The title of post `id` as the standby has it now.
@@ -385,22 +401,10 @@ async fn a_replica_whose_network_stalls_costs_a_load_half_its_timeout_not_the_lo
     let Some(r) = Replicated::start(60, &[]).await else {
         return;
     };
-    let proxy = TcpProxy::start(format!("127.0.0.1:{}", r.standby.port).parse().unwrap()).await;
-    let replica = format!("postgres://postgres@{}/{}", proxy.addr, r.env.db_name);
+    let proxy = r.proxy().await;
     let app = r
-        .env
-        .spawn(&[
-            "--change-feed",
-            "replication",
-            "--database-replica-urls",
-            &replica,
-            "--replica-max-lag",
-            "5s",
-            "--load-timeout",
-            "2s",
-        ])
+        .spawn_reading(&r.url_through(&proxy), "5s", &["--load-timeout", "2s"])
         .await;
-    until_replica(&app, "up").await;
     let served = routed(&app, "replica", "caught_up").await;
     assert_eq!(app.get("/posts/1").await.status, 200);
     assert_eq!(routed(&app, "replica", "caught_up").await, served + 1.0);
@@ -432,24 +436,14 @@ async fn a_replica_with_no_connection_free_sends_loads_to_the_primary_counted_as
     let Some(r) = Replicated::start(60, &[]).await else {
         return;
     };
-    let proxy = TcpProxy::start(format!("127.0.0.1:{}", r.standby.port).parse().unwrap()).await;
-    let replica = format!("postgres://postgres@{}/{}", proxy.addr, r.env.db_name);
+    let proxy = r.proxy().await;
     let app = r
-        .env
-        .spawn(&[
-            "--change-feed",
-            "replication",
-            "--database-replica-urls",
-            &replica,
-            "--replica-max-lag",
+        .spawn_reading(
+            &r.url_through(&proxy),
             "5s",
-            "--load-timeout",
-            "2s",
-            "--db-max-connections",
-            "1",
-        ])
+            &["--load-timeout", "2s", "--db-max-connections", "1"],
+        )
         .await;
-    until_replica(&app, "up").await;
     assert_eq!(app.get("/posts/1").await.status, 200);
 
     proxy.stall(true);
@@ -486,29 +480,10 @@ async fn two_stalled_replicas_share_half_the_load_timeout_and_the_primary_serves
     let Some(r) = Replicated::start(60, &[]).await else {
         return;
     };
-    let standby = format!("127.0.0.1:{}", r.standby.port).parse().unwrap();
-    let (a, b) = (
-        TcpProxy::start(standby).await,
-        TcpProxy::start(standby).await,
-    );
-    let replicas = format!(
-        "postgres://postgres@{}/{db},postgres://postgres@{}/{db}",
-        a.addr,
-        b.addr,
-        db = r.env.db_name
-    );
+    let (a, b) = (r.proxy().await, r.proxy().await);
+    let replicas = format!("{},{}", r.url_through(&a), r.url_through(&b));
     let app = r
-        .env
-        .spawn(&[
-            "--change-feed",
-            "replication",
-            "--database-replica-urls",
-            &replicas,
-            "--replica-max-lag",
-            "5s",
-            "--load-timeout",
-            "1s",
-        ])
+        .spawn_reading(&replicas, "5s", &["--load-timeout", "1s"])
         .await;
     wait_until("both replicas to be up", A_WHILE, async || {
         let ready = readyz(&app).await;
