@@ -282,6 +282,11 @@ pub struct Hooks {
     pub wait_ended: Option<std::sync::Arc<dyn Fn(WaitEnd) + Send + Sync>>,
     /// Runs after a leader's load, before its finish.
     pub after_load: Option<Hook>,
+    /// A deliberate defect, for the coherence checker to find: the
+    /// replication decoder loses each change (post id, commit LSN) this
+    /// says to, neither applied to Redis nor put on the stream, and goes on
+    /// as if it had applied it.
+    pub lose_change: Option<std::sync::Arc<dyn Fn(i64, u64) -> bool + Send + Sync>>,
 }
 
 /// An async callback run at a point of the protocol, given the value key.
@@ -297,6 +302,7 @@ impl std::fmt::Debug for Hooks {
             .field("before_recheck", &self.before_recheck.is_some())
             .field("wait_ended", &self.wait_ended.is_some())
             .field("after_load", &self.after_load.is_some())
+            .field("lose_change", &self.lose_change.is_some())
             .finish()
     }
 }

@@ -10,9 +10,11 @@
 //! client sockets that misbehave ([`RawConn`]).
 //!
 //! Every request goes through one client ([`Http`]); every wait goes through
-//! [`wait_until`], its bound in the call.
+//! [`wait_until`], its bound in the call. The coherence checker
+//! (`examples/coherence`) judges what its clients read with [`history`].
 
 mod database;
+pub mod history;
 mod http;
 mod load;
 mod postgres;

@@ -22,13 +22,21 @@ use super::{eventually, free_port, kill, Http};
 
 /// A TCP proxy in front of a server: connections can be cut (and new ones
 /// refused), or stalled (bytes held, connections kept), or, in front of
-/// Redis, only the commands that subscribe held.
+/// Redis, only the commands that subscribe held, or only the connections
+/// that listen (subscribe or read a stream) cut.
 pub struct TcpProxy {
     pub addr: SocketAddr,
     open: Arc<AtomicBool>,
     hold: Arc<Hold>,
-    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    connections: Arc<Mutex<Vec<Piped>>>,
     accept: JoinHandle<()>,
+}
+
+/// One connection through the proxy: its pumps, and whether its client
+/// ever sent a command that listens.
+struct Piped {
+    pumps: JoinHandle<()>,
+    listens: Arc<AtomicBool>,
 }
 
 impl TcpProxy {
@@ -37,7 +45,7 @@ impl TcpProxy {
         let addr = listener.local_addr().unwrap();
         let open = Arc::new(AtomicBool::new(true));
         let hold = Arc::new(Hold::default());
-        let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let connections: Arc<Mutex<Vec<Piped>>> = Arc::default();
         let accept = tokio::spawn({
             let (open, hold, connections) = (open.clone(), hold.clone(), connections.clone());
             async move {
@@ -47,18 +55,24 @@ impl TcpProxy {
                         continue;
                     }
                     let hold = hold.clone();
-                    let pipe = tokio::spawn(async move {
-                        let Ok(server) = TcpStream::connect(target).await else {
-                            return;
-                        };
-                        let (client_rx, client_tx) = client.into_split();
-                        let (server_rx, server_tx) = server.into_split();
-                        tokio::join!(
-                            pump(client_rx, server_tx, hold.clone()),
-                            pump(server_rx, client_tx, hold)
-                        );
+                    let listens = Arc::new(AtomicBool::new(false));
+                    let pumps = tokio::spawn({
+                        let listens = listens.clone();
+                        async move {
+                            let Ok(server) = TcpStream::connect(target).await else {
+                                return;
+                            };
+                            let (client_rx, client_tx) = client.into_split();
+                            let (server_rx, server_tx) = server.into_split();
+                            tokio::join!(
+                                pump(client_rx, server_tx, hold.clone(), Some(listens)),
+                                pump(server_rx, client_tx, hold, None)
+                            );
+                        }
                     });
-                    connections.lock().unwrap().push(pipe);
+                    let mut connections = connections.lock().unwrap();
+                    connections.retain(|c| !c.pumps.is_finished());
+                    connections.push(Piped { pumps, listens });
                 }
             }
         });
@@ -75,8 +89,25 @@ impl TcpProxy {
     pub fn cut(&self) {
         self.open.store(false, Ordering::SeqCst);
         for c in self.connections.lock().unwrap().drain(..) {
-            c.abort();
+            c.pumps.abort();
         }
+    }
+
+    /// Cuts the connections whose client sent a SUBSCRIBE (or SSUBSCRIBE)
+    /// or an XREAD: a process's subscriber and its change stream reader.
+    /// The others stay, and new connections are taken. Returns how many
+    /// were cut.
+    pub fn cut_listeners(&self) -> usize {
+        let mut connections = self.connections.lock().unwrap();
+        let before = connections.len();
+        connections.retain(|c| {
+            let listens = c.listens.load(Ordering::SeqCst);
+            if listens {
+                c.pumps.abort();
+            }
+            !listens
+        });
+        before - connections.len()
     }
 
     /// Accepts connections again.
@@ -114,11 +145,14 @@ impl Hold {
     }
 }
 
-/// Copies one direction of a connection, holding bytes as `hold` says.
+/// Copies one direction of a connection, holding bytes as `hold` says;
+/// `listens`, on the client's side, is set once a command that listens
+/// passes.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     hold: Arc<Hold>,
+    listens: Option<Arc<AtomicBool>>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -126,6 +160,17 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if let Some(listens) = &listens {
+            let bytes = &buf[..n];
+            let has = |word: &[u8]| {
+                bytes
+                    .windows(word.len())
+                    .any(|w| w.eq_ignore_ascii_case(word))
+            };
+            if has(b"subscribe") || has(b"xread") {
+                listens.store(true, Ordering::SeqCst);
+            }
+        }
         while hold.holds(&buf[..n]) {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -152,7 +197,7 @@ pub struct ServiceProcess {
 impl ServiceProcess {
     /// The binary beside the running test or example (`target/<profile>/`),
     /// or POSTCACHE_BIN.
-    fn binary() -> PathBuf {
+    pub fn binary() -> PathBuf {
         if let Some(bin) = std::env::var_os("POSTCACHE_BIN") {
             return bin.into();
         }

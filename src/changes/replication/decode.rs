@@ -185,6 +185,14 @@ impl Candidate {
         lag: Duration,
         progress: &mut Progress,
     ) -> anyhow::Result<()> {
+        #[cfg(feature = "testkit")]
+        let changes = match &self.read_path.settings().hooks.lose_change {
+            Some(lose) => changes
+                .into_iter()
+                .filter(|(id, _, lsn)| !lose(*id, *lsn))
+                .collect(),
+            None => changes,
+        };
         if changes.is_empty() {
             return Ok(());
         }

@@ -1,0 +1,382 @@
+//! The checker's faults: a seeded schedule, one fault at a time, each
+//! logged as a window from its injection until the fleet was seen healthy
+//! again (every instance ready, its change feed up), with the staleness
+//! documented for reads while it is in force (README, Consistency).
+
+use std::{
+    process::Command,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::bail;
+use postcache::testkit::{history::Window, ServiceProcess};
+use rand::{rngs::StdRng, seq::SliceRandom, Rng};
+
+use crate::{fleet::Fleet, Args, Clock};
+
+/// Before the first fault: the caches warm.
+const WARMUP: Duration = Duration::from_secs(3);
+/// Longest a fault may take to heal before the run reports it.
+const HEAL_LIMIT: Duration = Duration::from_secs(60);
+/// How long a killed instance stays down, a process stays stopped, Redis
+/// stays down or paused, a replica stays paused.
+const DOWN: Duration = Duration::from_secs(1);
+const STOPPED: Duration = Duration::from_secs(2);
+const PAUSED: Duration = Duration::from_secs(2);
+const REPLICA_PAUSED: Duration = Duration::from_secs(3);
+/// A fault is not begun unless this much of the run is left.
+const ROOM: Duration = Duration::from_secs(8);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    DecoderKilled,
+    InstanceKilled,
+    InstanceStopped,
+    RedisRestarted,
+    RedisPaused,
+    ListenersCut,
+    PostgresRestarted,
+    ReplicaLagging,
+    SlotDropped,
+    InvalidateAll,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 10] = [
+        Kind::DecoderKilled,
+        Kind::InstanceKilled,
+        Kind::InstanceStopped,
+        Kind::RedisRestarted,
+        Kind::RedisPaused,
+        Kind::ListenersCut,
+        Kind::PostgresRestarted,
+        Kind::ReplicaLagging,
+        Kind::SlotDropped,
+        Kind::InvalidateAll,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::DecoderKilled => "decoder-killed",
+            Kind::InstanceKilled => "instance-killed",
+            Kind::InstanceStopped => "instance-stopped",
+            Kind::RedisRestarted => "redis-restarted",
+            Kind::RedisPaused => "redis-paused",
+            Kind::ListenersCut => "listeners-cut",
+            Kind::PostgresRestarted => "postgres-restarted",
+            Kind::ReplicaLagging => "replica-lagging",
+            Kind::SlotDropped => "slot-dropped",
+            Kind::InvalidateAll => "invalidate-all",
+        }
+    }
+
+    pub fn what(self) -> &'static str {
+        match self {
+            Kind::DecoderKilled => "SIGKILL of the instance that decodes, restarted 1 s later",
+            Kind::InstanceKilled => {
+                "SIGKILL of another instance while it loads, restarted 1 s later"
+            }
+            Kind::InstanceStopped => "SIGSTOP of an instance, SIGCONT 2 s later",
+            Kind::RedisRestarted => "Redis SIGKILLed, restarted empty 1 s later",
+            Kind::RedisPaused => "CLIENT PAUSE ALL for 2 s",
+            Kind::ListenersCut => {
+                "each instance's subscriber and change stream connections cut at its proxy"
+            }
+            Kind::PostgresRestarted => "PostgreSQL stopped at once (-m immediate), started again",
+            Kind::ReplicaLagging => "the standby's replay paused for 3 s (--replicas)",
+            Kind::SlotDropped => "the replication slot dropped by hand",
+            Kind::InvalidateAll => "postcache invalidate --all",
+        }
+    }
+
+    /// The staleness documented for reads while the fault is in force
+    /// (README, Consistency): what the design bounds it by, with room for
+    /// a loaded machine. Past the fault's heal (and the convergence
+    /// allowance, 1 s), the normal bound holds again.
+    pub fn bound(self, args: &Args) -> Duration {
+        let ms = Duration::from_millis;
+        match self {
+            // The fleet's beats are late after 2 s; a standby polls every
+            // 0.5 s, takes the slot, and is sent what was not confirmed.
+            Kind::DecoderKilled => ms(3000),
+            // Another instance: nothing of the fleet's coherence changes.
+            Kind::InstanceKilled | Kind::InvalidateAll | Kind::ReplicaLagging => args.bound,
+            // A stopped decoder applies nothing while it is stopped: the
+            // stop's length, and its catch-up.
+            Kind::InstanceStopped => STOPPED + ms(1000),
+            // Reads go to PostgreSQL while Redis is down; the memory tier
+            // is emptied as the change stream's read fails.
+            Kind::RedisRestarted => DOWN + ms(1000),
+            // Changes wait for Redis; the memory tier serves until the
+            // beats are 2 s late.
+            Kind::RedisPaused => ms(2500),
+            // The stream reader reads again from its last entry.
+            Kind::ListenersCut => ms(500),
+            // The decoder reconnects and is sent what was not confirmed.
+            Kind::PostgresRestarted => ms(2000),
+            // The gap is closed by a raise of the cutoff once the slot is
+            // made again.
+            Kind::SlotDropped => ms(2000),
+        }
+    }
+
+    /// Whether the fault means something in this setup.
+    fn applies(self, args: &Args) -> bool {
+        match self {
+            Kind::DecoderKilled | Kind::SlotDropped => args.change_feed == "replication",
+            Kind::ReplicaLagging => args.replicas,
+            _ => true,
+        }
+    }
+
+    /// `all`, `none`, or names separated by commas.
+    pub fn parse_list(list: &str, args: &Args) -> anyhow::Result<Vec<Kind>> {
+        match list {
+            "all" => Ok(Self::ALL.into_iter().filter(|k| k.applies(args)).collect()),
+            "none" | "" => Ok(Vec::new()),
+            list => list
+                .split(',')
+                .map(|name| {
+                    let Some(kind) = Self::ALL.into_iter().find(|k| k.name() == name.trim()) else {
+                        bail!("no fault named {name:?} (see --list-faults)");
+                    };
+                    if !kind.applies(args) {
+                        bail!("the fault {name} needs replication mode (or --replicas)");
+                    }
+                    Ok(kind)
+                })
+                .collect(),
+        }
+    }
+}
+
+pub fn names(kinds: &[Kind]) -> String {
+    if kinds.is_empty() {
+        return "none".into();
+    }
+    kinds
+        .iter()
+        .map(|k| k.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// What the schedule did: the windows, and the faults that did not heal.
+#[derive(Debug, Default)]
+pub struct Schedule {
+    pub windows: Vec<Window>,
+    pub unhealed: Vec<String>,
+}
+
+/// Injects the faults one after another, each kind in turn (in a seeded
+/// order, shuffled again for each round), until too little of the run is
+/// left; each is healed before the next.
+pub async fn run_schedule(
+    fleet: Arc<Fleet>,
+    kinds: Vec<Kind>,
+    args: Args,
+    clock: Clock,
+    run: Duration,
+    mut rng: StdRng,
+) -> anyhow::Result<Schedule> {
+    let mut schedule = Schedule::default();
+    if kinds.is_empty() {
+        return Ok(schedule);
+    }
+    tokio::time::sleep(WARMUP).await;
+    let mut order = kinds.clone();
+    order.shuffle(&mut rng);
+    let mut turn = 0;
+    while clock.now() + ROOM < run {
+        if turn == order.len() {
+            order.shuffle(&mut rng);
+            turn = 0;
+        }
+        let kind = order[turn];
+        turn += 1;
+        let injected = clock.now();
+        let what = inject(kind, &fleet, &args, &mut rng).await?;
+        let healthy = fleet.until_healthy(HEAL_LIMIT).await;
+        let healed = clock.now();
+        println!(
+            "{:>7.1} s  {:<18} {what}; healthy {:.1} s later",
+            injected.as_secs_f64(),
+            kind.name(),
+            (healed - injected).as_secs_f64()
+        );
+        if let Err(why) = healthy {
+            schedule
+                .unhealed
+                .push(format!("{} ({what}): {why:#}", kind.name()));
+        }
+        schedule.windows.push(Window {
+            kind: kind.name(),
+            what,
+            injected,
+            healed,
+            bound: kind.bound(&args),
+        });
+        tokio::time::sleep(Duration::from_secs(args.quiet)).await;
+    }
+    Ok(schedule)
+}
+
+/// Causes one fault and undoes what must be undone (a process restarted,
+/// a server started); says what was done.
+async fn inject(
+    kind: Kind,
+    fleet: &Fleet,
+    args: &Args,
+    rng: &mut StdRng,
+) -> anyhow::Result<String> {
+    let instances = fleet.instances.len();
+    Ok(match kind {
+        Kind::DecoderKilled => {
+            let mut decoder = None;
+            let started = Instant::now();
+            while decoder.is_none() && started.elapsed() < Duration::from_secs(10) {
+                decoder = fleet.decoder().await;
+            }
+            let Some(i) = decoder else {
+                return Ok("no instance decodes: nothing killed".into());
+            };
+            fleet.kill(i);
+            tokio::time::sleep(DOWN).await;
+            fleet.start_instance(i).await?;
+            format!("instance {i}, the decoder")
+        }
+        Kind::InstanceKilled => {
+            let decoder = fleet.decoder().await;
+            let others: Vec<usize> = (0..instances).filter(|i| Some(*i) != decoder).collect();
+            let Some(&fallback) = others.get(rng.random_range(0..others.len().max(1))) else {
+                return Ok("no instance but the decoder: nothing killed".into());
+            };
+            // One with a load in flight, if one comes within a second.
+            let started = Instant::now();
+            let mut chosen = None;
+            while chosen.is_none() && started.elapsed() < Duration::from_secs(1) {
+                for &i in &others {
+                    if fleet.metric(i, "postcache_flights_in_progress").await > Some(0.0) {
+                        chosen = Some(i);
+                        break;
+                    }
+                }
+            }
+            let i = chosen.unwrap_or(fallback);
+            fleet.kill(i);
+            tokio::time::sleep(DOWN).await;
+            fleet.start_instance(i).await?;
+            format!(
+                "instance {i}{}",
+                if chosen.is_some() { ", loading" } else { "" }
+            )
+        }
+        Kind::InstanceStopped => {
+            let i = rng.random_range(0..instances);
+            let decoder = fleet.decoder().await;
+            fleet.signal(i, "STOP");
+            tokio::time::sleep(STOPPED).await;
+            fleet.signal(i, "CONT");
+            format!(
+                "instance {i}{}",
+                if decoder == Some(i) {
+                    ", the decoder"
+                } else {
+                    ""
+                }
+            )
+        }
+        Kind::RedisRestarted => {
+            let mut redis = fleet.redis.lock().await;
+            redis.kill();
+            tokio::time::sleep(DOWN).await;
+            redis.restart().await;
+            "restarted empty".into()
+        }
+        Kind::RedisPaused => {
+            let redis = fleet.redis.lock().await;
+            let ms = PAUSED.as_millis().to_string();
+            redis.cli(&["client", "pause", &ms, "all"]);
+            tokio::time::sleep(PAUSED).await;
+            format!("{} s", PAUSED.as_secs())
+        }
+        Kind::ListenersCut => {
+            let cut: usize = fleet
+                .instances
+                .iter()
+                .map(|i| i.proxy.cut_listeners())
+                .sum();
+            format!("{cut} connections cut")
+        }
+        Kind::PostgresRestarted => {
+            let mut primary = fleet.primary.lock().await;
+            primary.stop();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            primary.start().await;
+            "crashed, started again".into()
+        }
+        Kind::ReplicaLagging => {
+            let standby = fleet.standby.as_ref().expect("--replicas");
+            let url = format!("{}/{}", standby.url(), fleet.env.db_name);
+            replay(&url, false).await?;
+            tokio::time::sleep(REPLICA_PAUSED).await;
+            replay(&url, true).await?;
+            format!("replay paused {} s", REPLICA_PAUSED.as_secs())
+        }
+        Kind::SlotDropped => {
+            let slot = fleet.slot();
+            let admin = fleet.env.admin.clone();
+            let started = Instant::now();
+            loop {
+                let _ = sqlx::query(
+                    "select pg_terminate_backend(active_pid) from pg_replication_slots
+                     where slot_name = $1 and active_pid is not null",
+                )
+                .bind(&slot)
+                .execute(&admin)
+                .await;
+                let dropped = sqlx::query("select pg_drop_replication_slot($1)")
+                    .bind(&slot)
+                    .execute(&admin)
+                    .await;
+                if dropped.is_ok() {
+                    break "dropped".into();
+                }
+                if started.elapsed() > Duration::from_secs(10) {
+                    break "could not be dropped within 10 s".into();
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Kind::InvalidateAll => {
+            let binary = args.binary.clone().unwrap_or_else(ServiceProcess::binary);
+            let redis_url = fleet.redis.lock().await.url();
+            let out = Command::new(binary)
+                .args(["invalidate", "--all"])
+                .env("DATABASE_URL", fleet.db_url())
+                .env("REDIS_URL", redis_url)
+                .env("KEY_PREFIX", &fleet.env.prefix)
+                .env("RUST_LOG", "warn")
+                .output()?;
+            if out.status.success() {
+                "done".into()
+            } else {
+                format!("failed: {}", String::from_utf8_lossy(&out.stderr).trim())
+            }
+        }
+    })
+}
+
+/// Pauses or resumes a standby's replay.
+async fn replay(url: &str, resume: bool) -> anyhow::Result<()> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(url).await?;
+    let sql = if resume {
+        "select pg_wal_replay_resume()"
+    } else {
+        "select pg_wal_replay_pause()"
+    };
+    sqlx::query(sql).execute(&mut conn).await?;
+    Ok(())
+}

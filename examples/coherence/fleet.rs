@@ -1,0 +1,417 @@
+//! The checker's fleet: a private PostgreSQL (and standby), a private
+//! Redis, and the instances, each a process on a port of its own that a
+//! restart keeps, reaching Redis through a proxy of the checker's.
+
+use std::{
+    path::PathBuf,
+    process::{Child, Command},
+    sync::{
+        atomic::{AtomicU16, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context};
+use postcache::testkit::{free_port, PgServer, RedisServer, ServiceProcess, TcpProxy, TestEnv};
+use sqlx::{Connection, PgConnection};
+
+use crate::Args;
+
+/// What a reader needs of an instance.
+#[derive(Clone)]
+pub struct Target {
+    pub index: u8,
+    pub base: String,
+    /// Counts the instance's processes: a read is judged per process.
+    pub incarnation: Arc<AtomicU16>,
+    pub client: reqwest::Client,
+}
+
+/// One instance: its port, its proxy to Redis, its current process.
+pub struct Instance {
+    pub target: Target,
+    port: u16,
+    pub proxy: TcpProxy,
+    process: Mutex<Option<Child>>,
+}
+
+pub struct Fleet {
+    args: Args,
+    pub primary: tokio::sync::Mutex<PgServer>,
+    pub standby: Option<PgServer>,
+    pub redis: tokio::sync::Mutex<RedisServer>,
+    /// The database, the key prefix, a pool and a Redis client of the
+    /// checker's own.
+    pub env: TestEnv,
+    pub instances: Vec<Instance>,
+    log_dir: PathBuf,
+    /// The next version of the canary (see [`Fleet::until_healthy`]).
+    canary_version: std::sync::atomic::AtomicU64,
+}
+
+/// Longest an instance takes to answer /healthz after it is started.
+const START_LIMIT: Duration = Duration::from_secs(30);
+/// Bound on each request the checker makes to watch the fleet.
+const WATCH_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Fleet {
+    /// The servers and the database, with no instance running yet.
+    pub async fn start(args: &Args) -> anyhow::Result<Self> {
+        anyhow::ensure!(PgServer::available(), "initdb and pg_basebackup are needed");
+        let redis = RedisServer::start().await;
+        let primary = PgServer::primary().await;
+        let env = TestEnv::on_server(0, primary.url(), redis.url()).await;
+        let standby = if args.replicas {
+            Some(PgServer::standby_of(&primary, &[]).await)
+        } else {
+            None
+        };
+        let log_dir =
+            std::env::temp_dir().join(format!("postcache-coherence-{}", std::process::id()));
+        std::fs::create_dir_all(&log_dir)?;
+        let mut instances = Vec::new();
+        for index in 0..args.instances {
+            let port = free_port();
+            let proxy = TcpProxy::start(([127, 0, 0, 1], redis.port).into()).await;
+            let base = format!("http://127.0.0.1:{port}");
+            let client = reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .pool_max_idle_per_host(64)
+                .build()?;
+            instances.push(Instance {
+                target: Target {
+                    index: index as u8,
+                    base,
+                    incarnation: Arc::default(),
+                    client,
+                },
+                port,
+                proxy,
+                process: Mutex::new(None),
+            });
+        }
+        Ok(Self {
+            args: args.clone(),
+            primary: tokio::sync::Mutex::new(primary),
+            standby,
+            redis: tokio::sync::Mutex::new(redis),
+            env,
+            instances,
+            log_dir,
+            canary_version: Default::default(),
+        })
+    }
+
+    pub fn log_dir(&self) -> PathBuf {
+        self.log_dir.clone()
+    }
+
+    pub fn targets(&self) -> Vec<Target> {
+        self.instances.iter().map(|i| i.target.clone()).collect()
+    }
+
+    /// The database's URL on the primary.
+    pub fn db_url(&self) -> String {
+        self.env.db_url.clone()
+    }
+
+    /// A connection of the checker's own to the primary, named so.
+    pub async fn connect(&self, name: &str) -> sqlx::Result<PgConnection> {
+        PgConnection::connect(&format!("{}?application_name={name}", self.env.db_url)).await
+    }
+
+    pub async fn start_instances(&self) -> anyhow::Result<()> {
+        for i in 0..self.instances.len() {
+            self.start_instance(i).await?;
+        }
+        Ok(())
+    }
+
+    /// Starts instance `i`'s next process and waits until it answers.
+    pub async fn start_instance(&self, i: usize) -> anyhow::Result<()> {
+        let instance = &self.instances[i];
+        instance.target.incarnation.fetch_add(1, Ordering::SeqCst);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_dir.join(format!("instance-{i}.log")))?;
+        let (program, first) = match self.args.lose_changes {
+            Some(_) => (std::env::current_exe()?, "instance"),
+            None => (
+                self.args
+                    .binary
+                    .clone()
+                    .unwrap_or_else(ServiceProcess::binary),
+                "serve",
+            ),
+        };
+        let mut command = Command::new(&program);
+        command
+            .arg(first)
+            .env("LISTEN_ADDR", format!("127.0.0.1:{}", instance.port))
+            .env("DATABASE_URL", self.db_url())
+            .env("REDIS_URL", format!("redis://{}", instance.proxy.addr))
+            .env("KEY_PREFIX", &self.env.prefix)
+            .env("NO_MIGRATE", "true")
+            .env("CHANGE_FEED", &self.args.change_feed)
+            .env("CACHE_TTL", &self.args.cache_ttl)
+            .env("RUST_LOG", "warn")
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if let Some(standby) = &self.standby {
+            command.env(
+                "DATABASE_REPLICA_URLS",
+                format!("{}/{}", standby.url(), self.env.db_name),
+            );
+        }
+        if let Some(every) = self.args.lose_changes {
+            command.env(LOSE_CHANGES, every.to_string());
+        }
+        for setting in &self.args.set {
+            let (name, value) = setting
+                .split_once('=')
+                .with_context(|| format!("--set {setting}: NAME=value"))?;
+            command.env(name, value);
+        }
+        let child = command
+            .spawn()
+            .with_context(|| format!("could not start {}", program.display()))?;
+        *instance.process.lock().unwrap() = Some(child);
+        let started = Instant::now();
+        while started.elapsed() < START_LIMIT {
+            let up = instance
+                .target
+                .client
+                .get(format!("{}/healthz", instance.target.base))
+                .timeout(WATCH_TIMEOUT)
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if up {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        bail!(
+            "instance {i} did not start within {START_LIMIT:?}; see {}",
+            self.log_dir.display()
+        )
+    }
+
+    /// SIGKILL of instance `i`'s process.
+    pub fn kill(&self, i: usize) {
+        if let Some(mut child) = self.instances[i].process.lock().unwrap().take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`) to instance `i`'s process.
+    pub fn signal(&self, i: usize, signal: &str) {
+        if let Some(child) = &*self.instances[i].process.lock().unwrap() {
+            let _ = Command::new("kill")
+                .args([format!("-{signal}"), child.id().to_string()])
+                .status();
+        }
+    }
+
+    /// A GET of the checker's own to instance `i`, bounded.
+    async fn watch(&self, i: usize, path: &str) -> Option<(u16, String)> {
+        let target = &self.instances[i].target;
+        let response = target
+            .client
+            .get(format!("{}{path}", target.base))
+            .timeout(WATCH_TIMEOUT)
+            .send()
+            .await
+            .ok()?;
+        let status = response.status().as_u16();
+        Some((status, response.text().await.ok()?))
+    }
+
+    /// A series of instance `i`'s metrics.
+    pub async fn metric(&self, i: usize, series: &str) -> Option<f64> {
+        let (_, text) = self.watch(i, "/metrics").await?;
+        postcache::testkit::metric(&text, series)
+    }
+
+    /// The instance whose process decodes the fleet's changes.
+    pub async fn decoder(&self) -> Option<usize> {
+        for i in 0..self.instances.len() {
+            if self.metric(i, "postcache_change_feed_decoder").await == Some(1.0) {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// Why the fleet is not healthy, if it is not: every instance ready,
+    /// its change feed up (unless off) and its replicas up.
+    pub async fn unhealthy(&self) -> Option<String> {
+        for i in 0..self.instances.len() {
+            let Some((status, body)) = self.watch(i, "/readyz").await else {
+                return Some(format!("instance {i} does not answer"));
+            };
+            if status != 200 {
+                return Some(format!("instance {i}: /readyz {status} {body}"));
+            }
+            let ready: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            if self.args.change_feed != "off" && ready["change_feed"] != "up" {
+                return Some(format!(
+                    "instance {i}: change feed {}",
+                    ready["change_feed"]
+                ));
+            }
+            if let Some(replicas) = ready["replicas"].as_array() {
+                if replicas.iter().any(|r| r["state"] != "up") {
+                    return Some(format!("instance {i}: replicas {}", ready["replicas"]));
+                }
+            }
+        }
+        None
+    }
+
+    /// Waits until the fleet is healthy, and proves it: every instance
+    /// ready, and a change to the canary (a post no reader reads) served by
+    /// every instance within the normal bound of its commit. An instance
+    /// may say it is ready before it has noticed a fault (a probe a second
+    /// old, beats not yet late): only a change seen end to end says the
+    /// change feed works again. Why not, past `limit`.
+    pub async fn until_healthy(&self, limit: Duration) -> anyhow::Result<()> {
+        let started = Instant::now();
+        loop {
+            let why = match self.unhealthy().await {
+                Some(why) => why,
+                None => match self.canary_seen().await {
+                    Ok(()) => return Ok(()),
+                    Err(why) => format!("{why:#}"),
+                },
+            };
+            if started.elapsed() > limit {
+                bail!("not healthy after {limit:?}: {why}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The canary's id: past the posts the readers and writers use.
+    fn canary(&self) -> i64 {
+        self.args.posts + 1
+    }
+
+    /// Writes a new version of the canary, then reads it on every instance
+    /// until each serves it, for at most the normal bound (CHANGE_FEED=off:
+    /// only whether it answers).
+    async fn canary_seen(&self) -> anyhow::Result<()> {
+        let version = self.canary_version.fetch_add(1, Ordering::SeqCst);
+        let title = format!("canary.{version}");
+        sqlx::query(
+            "insert into posts (id, title, body, author) values ($1, $2, 'canary', 'coherence')
+             on conflict (id) do update set title = excluded.title",
+        )
+        .bind(self.canary())
+        .bind(&title)
+        .execute(&self.env.admin)
+        .await
+        .context("the canary's write")?;
+        let committed = Instant::now();
+        for (i, instance) in self.instances.iter().enumerate() {
+            let target = &instance.target;
+            loop {
+                let reply = target
+                    .client
+                    .get(format!("{}/posts/{}", target.base, self.canary()))
+                    .timeout(WATCH_TIMEOUT)
+                    .send()
+                    .await;
+                let served = match reply {
+                    Ok(r) if r.status() == 200 => {
+                        let json: serde_json::Value = r.json().await.unwrap_or_default();
+                        json["title"].as_str().map(str::to_owned)
+                    }
+                    _ => None,
+                };
+                if served.as_deref() == Some(title.as_str())
+                    || self.args.change_feed == "off" && served.is_some()
+                {
+                    break;
+                }
+                if committed.elapsed() > self.args.bound {
+                    bail!("instance {i} served the canary's change no sooner than {:?} after its commit", self.args.bound);
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// The fleet's replication slot.
+    pub fn slot(&self) -> String {
+        postcache::changes::replication::slot_name(&self.env.db_name, &self.env.prefix)
+    }
+
+    pub fn stop(&self) {
+        for i in 0..self.instances.len() {
+            self.signal(i, "CONT");
+            self.kill(i);
+        }
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for i in 0..self.instances.len() {
+            self.kill(i);
+        }
+    }
+}
+
+/// The environment variable that tells an instance of this program to lose
+/// one change in N.
+const LOSE_CHANGES: &str = "COHERENCE_LOSE_CHANGES";
+
+/// `coherence instance`: the service, with its settings from the
+/// environment as `postcache serve` takes them, and the defect of
+/// COHERENCE_LOSE_CHANGES through the testkit's hooks.
+pub fn run_instance() -> anyhow::Result<()> {
+    use clap::Parser;
+    use postcache::{
+        config::{Cli, Command},
+        flight::Hooks,
+        startup::{shutdown_signal, Application},
+    };
+    let cli = Cli::parse_from(["postcache", "serve"]);
+    let Command::Serve(args) = cli.command else {
+        unreachable!("serve was asked for")
+    };
+    let every: u64 = std::env::var(LOSE_CHANGES)
+        .context(LOSE_CHANGES)?
+        .parse()
+        .context(LOSE_CHANGES)?;
+    anyhow::ensure!(every > 0, "{LOSE_CHANGES} must be at least 1");
+    postcache::telemetry::init(cli.log_format);
+    postcache::startup::install_tls_provider();
+    tracing::warn!(
+        every,
+        "a deliberate defect: the decoder loses one change in {every}"
+    );
+    let hooks = Hooks {
+        lose_change: Some(Arc::new(move |id: i64, lsn: u64| {
+            let lost = xxhash_rust::xxh3::xxh3_64(&[id.to_le_bytes(), lsn.to_le_bytes()].concat())
+                .is_multiple_of(every);
+            if lost {
+                tracing::warn!(id, lsn, "change lost on purpose");
+            }
+            lost
+        })),
+        ..Hooks::default()
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(async {
+            let app = Application::build_with_hooks(*args, hooks).await?;
+            app.run_until_stopped(shutdown_signal()).await
+        })
+}

@@ -1,0 +1,340 @@
+//! The checker's readers: `GET /posts/{id}` and `GET /posts?ids=` spread
+//! over the instances at a steady pace, each read logged with its times,
+//! the instance and process that answered, and the version it carried;
+//! and the final sweep, which reads every post on every instance until
+//! each serves the last version written.
+
+use std::{
+    collections::BTreeMap,
+    sync::{atomic::Ordering, Mutex},
+    time::{Duration, Instant},
+};
+
+use futures::{stream, StreamExt};
+use postcache::testkit::{
+    history::{Garble, History, Read, Seen, Served},
+    Zipf,
+};
+use rand::{rngs::StdRng, Rng};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    fleet::{Fleet, Target},
+    writers::{body, parse_marker},
+    Clock,
+};
+
+/// Requests that got no judgeable answer, by why.
+#[derive(Debug, Default)]
+pub struct Errors(pub BTreeMap<String, u64>);
+
+impl Errors {
+    fn count(&mut self, why: impl Into<String>) {
+        *self.0.entry(why.into()).or_default() += 1;
+    }
+
+    pub fn merge(&mut self, other: Errors) {
+        for (why, n) in other.0 {
+            *self.0.entry(why).or_default() += n;
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.values().sum()
+    }
+}
+
+/// What one post's JSON says, against the post asked for.
+fn seen(post: i64, json: &serde_json::Value) -> Seen {
+    if json["id"].as_i64() != Some(post) {
+        return Seen::Garbled(Garble::OtherPost);
+    }
+    let (Some(title), Some(text)) = (json["title"].as_str(), json["body"].as_str()) else {
+        return Seen::Garbled(Garble::Unreadable);
+    };
+    let (Some((p, seq)), Some((q, body_seq))) = (
+        parse_marker(title),
+        text.split(' ').next().and_then(parse_marker),
+    ) else {
+        return Seen::Garbled(Garble::Unreadable);
+    };
+    if p != post || q != post {
+        return Seen::Garbled(Garble::OtherPost);
+    }
+    if seq != body_seq || text != body(post, seq) {
+        return Seen::Garbled(Garble::Mixed);
+    }
+    Seen::Found(seq)
+}
+
+pub struct Reader {
+    targets: Vec<Target>,
+    zipf: Zipf,
+    clock: Clock,
+    rng: StdRng,
+    /// Between two reads of this reader.
+    every: Duration,
+}
+
+impl Reader {
+    pub fn new(
+        _index: usize,
+        targets: Vec<Target>,
+        posts: i64,
+        clock: Clock,
+        rng: StdRng,
+        per_second: f64,
+    ) -> Self {
+        Self {
+            targets,
+            zipf: Zipf::new(posts as usize, 1.0),
+            clock,
+            rng,
+            every: Duration::from_secs_f64(1.0 / per_second.max(0.1)),
+        }
+    }
+
+    /// Reads at its pace until stopped.
+    pub async fn run(mut self, stop: CancellationToken) -> (Vec<Read>, Errors) {
+        let mut reads = Vec::new();
+        let mut errors = Errors::default();
+        let mut next = Instant::now() + self.every.mul_f64(self.rng.random_range(0.0..1.0));
+        while !stop.is_cancelled() {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep_until(next.into()) => {}
+            }
+            // No burst to catch up after a stall: the pace resumes.
+            next = (next + self.every).max(Instant::now());
+            let target = &self.targets[self.rng.random_range(0..self.targets.len())];
+            if self.rng.random_bool(0.1) {
+                let n = self.rng.random_range(2..=8);
+                let mut ids: Vec<i64> = (0..n).map(|_| self.zipf.sample(&mut self.rng)).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                read_batch(target, &ids, self.clock, &mut reads, &mut errors).await;
+            } else {
+                let id = self.zipf.sample(&mut self.rng);
+                if let Some(read) = read_one(target, id, self.clock, &mut errors).await {
+                    reads.push(read);
+                }
+            }
+        }
+        (reads, errors)
+    }
+}
+
+/// A response, with the process that answered it; `None` (counted) when
+/// none came, or when the instance was restarted meanwhile (which process
+/// answered is then unknown).
+async fn get(
+    target: &Target,
+    path: &str,
+    clock: Clock,
+    errors: &mut Errors,
+) -> Option<(u16, Served, bytes::Bytes, u16, Duration, Duration)> {
+    let incarnation = target.incarnation.load(Ordering::SeqCst);
+    let began = clock.now();
+    let response = match target
+        .client
+        .get(format!("{}{path}", target.base))
+        .send()
+        .await
+    {
+        Ok(response) => response,
+        Err(error) => {
+            errors.count(if error.is_timeout() {
+                "no answer within 10 s"
+            } else {
+                "connection failed"
+            });
+            return None;
+        }
+    };
+    let status = response.status().as_u16();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let served = Served::from_headers(
+        header("x-cache").as_deref(),
+        header("x-cache-tier").as_deref(),
+    );
+    let Ok(bytes) = response.bytes().await else {
+        errors.count("answer cut");
+        return None;
+    };
+    let ended = clock.now();
+    if target.incarnation.load(Ordering::SeqCst) != incarnation {
+        errors.count("instance restarted during the read");
+        return None;
+    }
+    Some((status, served, bytes, incarnation, began, ended))
+}
+
+async fn read_one(target: &Target, id: i64, clock: Clock, errors: &mut Errors) -> Option<Read> {
+    let (status, served, bytes, incarnation, began, ended) =
+        get(target, &format!("/posts/{id}"), clock, errors).await?;
+    let seen = match status {
+        200 => match serde_json::from_slice(&bytes) {
+            Ok(json) => seen(id, &json),
+            Err(_) => Seen::Garbled(Garble::Unreadable),
+        },
+        404 => Seen::Missing,
+        other => {
+            errors.count(format!("status {other}"));
+            return None;
+        }
+    };
+    Some(Read {
+        post: id,
+        instance: target.index,
+        incarnation,
+        began,
+        ended,
+        seen,
+        served,
+        batch: false,
+    })
+}
+
+async fn read_batch(
+    target: &Target,
+    ids: &[i64],
+    clock: Clock,
+    reads: &mut Vec<Read>,
+    errors: &mut Errors,
+) {
+    let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    let Some((status, _, bytes, incarnation, began, ended)) =
+        get(target, &format!("/posts?ids={list}"), clock, errors).await
+    else {
+        return;
+    };
+    if status != 200 {
+        errors.count(format!("batch status {status}"));
+        return;
+    }
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        errors.count("batch body unreadable");
+        return;
+    };
+    let read = |post: i64, seen: Seen| Read {
+        post,
+        instance: target.index,
+        incarnation,
+        began,
+        ended,
+        seen,
+        served: Served::Other,
+        batch: true,
+    };
+    for post in json["posts"].as_array().into_iter().flatten() {
+        let id = post["id"].as_i64().unwrap_or(0);
+        if ids.contains(&id) {
+            reads.push(read(id, seen(id, post)));
+        } else {
+            errors.count("batch answered a post not asked for");
+        }
+    }
+    for id in json["not_found"].as_array().into_iter().flatten() {
+        if let Some(id) = id.as_i64() {
+            reads.push(read(id, Seen::Missing));
+        }
+    }
+    for _ in json["unavailable"].as_array().into_iter().flatten() {
+        errors.count("unavailable in a batch");
+    }
+}
+
+/// How the fleet converged once the writes stopped.
+#[derive(Debug)]
+pub struct Convergence {
+    /// When the first sweep that found every post in its last version on
+    /// every instance began; `None` if none did within the limit.
+    pub at: Option<Duration>,
+    pub sweeps: usize,
+    /// What the last sweep still found wrong (at most a few).
+    pub wrong: Vec<String>,
+}
+
+/// Reads every post on every instance, sweep after sweep, until one sweep
+/// finds each in its last version (bounded by `limit`).
+pub async fn converge(
+    fleet: &Fleet,
+    history: &Mutex<History>,
+    clock: Clock,
+    limit: Duration,
+) -> Convergence {
+    let finals: Vec<(i64, Seen)> = {
+        let history = history.lock().unwrap();
+        let mut finals: Vec<(i64, Seen)> = history
+            .finals()
+            .map(|(post, v)| {
+                (
+                    post,
+                    if v.exists {
+                        Seen::Found(v.seq)
+                    } else {
+                        Seen::Missing
+                    },
+                )
+            })
+            .collect();
+        finals.sort_by_key(|f| f.0);
+        finals
+    };
+    let started = Instant::now();
+    let mut sweeps = 0;
+    loop {
+        sweeps += 1;
+        let began = clock.now();
+        let errors = Mutex::new(Errors::default());
+        let checks = fleet.targets().into_iter().flat_map(|t| {
+            finals
+                .iter()
+                .map(move |&(post, wanted)| (t.clone(), post, wanted))
+        });
+        let wrong: Vec<String> = stream::iter(checks)
+            .map(|(target, post, wanted)| {
+                let errors = &errors;
+                async move {
+                    let mut mine = Errors::default();
+                    let read = read_one(&target, post, clock, &mut mine).await;
+                    errors.lock().unwrap().merge(mine);
+                    match read {
+                        Some(read) if read.seen == wanted => None,
+                        Some(read) => Some(format!(
+                            "instance {} post {post}: {:?}, {} (last written {wanted:?})",
+                            target.index,
+                            read.seen,
+                            read.served.as_str()
+                        )),
+                        None => Some(format!("instance {} post {post}: no answer", target.index)),
+                    }
+                }
+            })
+            .buffer_unordered(32)
+            .filter_map(|w| async move { w })
+            .collect()
+            .await;
+        if wrong.is_empty() {
+            return Convergence {
+                at: Some(began),
+                sweeps,
+                wrong,
+            };
+        }
+        if started.elapsed() > limit {
+            return Convergence {
+                at: None,
+                sweeps,
+                wrong: wrong.into_iter().take(10).collect(),
+            };
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,801 @@
+//! Test support: the coherence checker's history and its verdict (pure,
+//! no server): every version a writer committed, every read a client made,
+//! the faults in force, and what the reads say against them.
+//!
+//! Each post's versions are numbered in commit order (the writers of the
+//! checker write one post at a time, so the order they see is the
+//! database's). A read is judged against the version it returned:
+//!
+//! - **phantom**: a version that was never committed, one whose write had
+//!   not begun when the read ended, a body of another version than its
+//!   title (two versions mixed), another post's row, or a 404 for a post
+//!   that existed throughout the read;
+//! - **staleness**: how long before the read began the first newer version
+//!   had committed (0 when none had). A 404 is matched to the latest
+//!   deletion it may have seen, the most favourable reading;
+//! - **regression**: on one instance (one process: a restarted instance is
+//!   another), a read that began after another had ended returned an older
+//!   version of the post than that one had. A 404 is then read both ways
+//!   in the reads' favour: as the oldest deletion the earlier read may have
+//!   served within the staleness bound, and the latest for the later one.
+//!
+//! Reads the service marked stale (`X-Cache: stale`: a fail-safe copy
+//! while loads fail, or a stale-while-revalidate answer) say so to their
+//! client: they are counted apart and judged for phantoms only.
+
+use std::{collections::HashMap, fmt::Write as _, time::Duration};
+
+/// One version of a post, as its writer saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Version {
+    /// Its number: 0 for the seed, then one more per write of the post.
+    pub seq: u32,
+    /// `false` for a deletion (a DELETE or a TRUNCATE).
+    pub exists: bool,
+    /// When its transaction began.
+    pub began: Duration,
+    /// When its COMMIT returned (or, when the COMMIT's answer was lost,
+    /// when the checker saw the row had it: later, never earlier).
+    pub committed: Duration,
+}
+
+/// Every committed version of every post, in commit order per post.
+#[derive(Debug, Default)]
+pub struct History {
+    posts: HashMap<i64, Vec<Version>>,
+}
+
+impl History {
+    /// Records a committed version; versions of a post come in order.
+    pub fn commit(&mut self, post: i64, version: Version) {
+        let versions = self.posts.entry(post).or_default();
+        assert!(
+            versions.last().is_none_or(|last| last.seq < version.seq),
+            "versions of post {post} recorded out of order"
+        );
+        versions.push(version);
+    }
+
+    pub fn versions(&self, post: i64) -> &[Version] {
+        self.posts.get(&post).map_or(&[], Vec::as_slice)
+    }
+
+    /// Committed versions in all, the seeds aside.
+    pub fn writes(&self) -> usize {
+        self.posts.values().map(|v| v.len().saturating_sub(1)).sum()
+    }
+
+    /// The last version of each post.
+    pub fn finals(&self) -> impl Iterator<Item = (i64, &Version)> {
+        self.posts
+            .iter()
+            .filter_map(|(post, v)| v.last().map(|last| (*post, last)))
+    }
+}
+
+/// What a read returned for one post.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seen {
+    /// The post, in the version numbered so (title and body agree).
+    Found(u32),
+    /// 404, or listed in `not_found`.
+    Missing,
+    /// A body that cannot be a version of this post.
+    Garbled(Garble),
+}
+
+/// How a body cannot be a version of the post asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Garble {
+    /// Its title and body carry different versions.
+    Mixed,
+    /// It is another post's row.
+    OtherPost,
+    /// It does not read as a post of the checker's.
+    Unreadable,
+}
+
+/// How the service said it served the read (`X-Cache`, with
+/// `X-Cache-Tier` for hits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Served {
+    Memory,
+    Redis,
+    /// The existence guard's 404.
+    Guard,
+    Miss,
+    Coalesced,
+    Bypass,
+    /// `X-Cache: stale`: marked stale for the client.
+    Stale,
+    /// None of the above (a batch read's parts).
+    Other,
+}
+
+impl Served {
+    /// From `X-Cache` and `X-Cache-Tier`.
+    pub fn from_headers(x_cache: Option<&str>, tier: Option<&str>) -> Self {
+        match (x_cache, tier) {
+            (Some("hit"), Some("memory")) => Self::Memory,
+            (Some("hit"), Some("guard")) => Self::Guard,
+            (Some("hit"), _) => Self::Redis,
+            (Some("miss"), _) => Self::Miss,
+            (Some("coalesced"), _) => Self::Coalesced,
+            (Some("bypass"), _) => Self::Bypass,
+            (Some("stale"), _) => Self::Stale,
+            _ => Self::Other,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Memory => "hit (memory)",
+            Self::Redis => "hit (redis)",
+            Self::Guard => "hit (guard)",
+            Self::Miss => "miss",
+            Self::Coalesced => "coalesced",
+            Self::Bypass => "bypass",
+            Self::Stale => "stale",
+            Self::Other => "batch",
+        }
+    }
+}
+
+/// One post as one read returned it (a batch read is a read per post, with
+/// the batch's times).
+#[derive(Debug, Clone, Copy)]
+pub struct Read {
+    pub post: i64,
+    /// Which instance, and which process of it (restarts count up).
+    pub instance: u8,
+    pub incarnation: u16,
+    pub began: Duration,
+    pub ended: Duration,
+    pub seen: Seen,
+    pub served: Served,
+    pub batch: bool,
+}
+
+/// A fault, from its injection until the fleet was seen healthy again.
+#[derive(Debug, Clone)]
+pub struct Window {
+    pub kind: &'static str,
+    /// What exactly was done (which instance, how long).
+    pub what: String,
+    pub injected: Duration,
+    pub healed: Duration,
+    /// The staleness documented for reads while it is in force.
+    pub bound: Duration,
+}
+
+/// What the reads are judged by.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// Staleness allowed outside any fault.
+    pub normal: Duration,
+    /// After a fault heals, how long its bound still holds: the fleet must
+    /// serve within the normal bound again after that.
+    pub converge: Duration,
+}
+
+/// Why a read is reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Problem {
+    Phantom(Phantom),
+    /// Staler than the bound in force, by this much.
+    Stale {
+        by: Duration,
+        bound: Duration,
+    },
+    /// Older than what read `after` returned, on the same process, which
+    /// had ended before this one began.
+    Regression {
+        after: usize,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phantom {
+    Garbled(Garble),
+    /// A version no transaction committed.
+    NeverCommitted(u32),
+    /// A version whose write began after the read ended.
+    FromTheFuture(u32),
+    /// 404 for a post that existed throughout the read.
+    MissingThroughout,
+}
+
+/// One read judged wrong.
+#[derive(Debug, Clone, Copy)]
+pub struct Violation {
+    pub read: usize,
+    pub problem: Problem,
+    /// The fault window in force at the read's start, if any.
+    pub window: Option<usize>,
+}
+
+/// Per fault window: how stale its reads were, and how soon after it
+/// healed the fleet was within the normal bound again.
+#[derive(Debug, Clone, Default)]
+pub struct WindowFigures {
+    pub reads: usize,
+    pub max_staleness: Duration,
+    /// Reads staler than the normal bound, by how they were served.
+    pub stale_by: std::collections::BTreeMap<Served, usize>,
+    /// Regressions within the window's bound: staleness the fault allows.
+    pub regressions: usize,
+    /// The last read begun after the heal that was staler than the normal
+    /// bound: how long after the heal it began (zero: none).
+    pub converged_after: Duration,
+}
+
+/// The verdict on a history.
+#[derive(Debug, Default)]
+pub struct Verdict {
+    pub reads: usize,
+    pub violations: Vec<Violation>,
+    /// Reads outside every fault window, and how stale they were.
+    pub normal_reads: usize,
+    pub normal_staleness: Vec<Duration>,
+    /// Reads staler than the normal bound outside fault windows.
+    pub normal_stale: usize,
+    pub windows: Vec<WindowFigures>,
+    /// Reads marked stale by the service (`X-Cache: stale`), and those of
+    /// them that were older than the latest version.
+    pub marked_stale: usize,
+    pub marked_stale_old: usize,
+    /// How each read was served, and how many of each were stale at all.
+    pub by_served: Vec<(Served, usize, usize)>,
+}
+
+impl Verdict {
+    pub fn phantoms(&self) -> usize {
+        self.count(|p| matches!(p, Problem::Phantom(_)))
+    }
+
+    pub fn stale(&self) -> usize {
+        self.count(|p| matches!(p, Problem::Stale { .. }))
+    }
+
+    pub fn regressions(&self) -> usize {
+        self.count(|p| matches!(p, Problem::Regression { .. }))
+    }
+
+    fn count(&self, which: impl Fn(&Problem) -> bool) -> usize {
+        self.violations.iter().filter(|v| which(&v.problem)).count()
+    }
+
+    /// Reads within the normal bound outside fault windows, as nines
+    /// (−log10 of the share that was not); `None` with no stale read
+    /// (then at least this many: see [`Verdict::nines_at_least`]).
+    pub fn nines(&self) -> Option<f64> {
+        (self.normal_stale > 0)
+            .then(|| -(self.normal_stale as f64 / self.normal_reads.max(1) as f64).log10())
+    }
+
+    /// With no stale read, the nines the count of reads proves.
+    pub fn nines_at_least(&self) -> f64 {
+        (self.normal_reads.max(1) as f64).log10()
+    }
+}
+
+/// Which version of `versions` a read that saw `seen` returned, most
+/// favourably: its index, or the phantom it is.
+fn matched(versions: &[Version], seen: Seen, ended: Duration) -> Result<usize, Phantom> {
+    match seen {
+        Seen::Garbled(g) => Err(Phantom::Garbled(g)),
+        Seen::Found(seq) => {
+            let i = versions
+                .binary_search_by_key(&seq, |v| v.seq)
+                .map_err(|_| Phantom::NeverCommitted(seq))?;
+            if !versions[i].exists {
+                return Err(Phantom::NeverCommitted(seq));
+            }
+            if versions[i].began > ended {
+                return Err(Phantom::FromTheFuture(seq));
+            }
+            Ok(i)
+        }
+        // The latest deletion whose write had begun when the read ended.
+        Seen::Missing => versions
+            .iter()
+            .rposition(|v| !v.exists && v.began <= ended)
+            .ok_or(Phantom::MissingThroughout),
+    }
+}
+
+/// The oldest version a read that saw `seen` may have returned, given
+/// version `i` is the latest (see [`matched`]): for a 404, the oldest
+/// deletion it may have served within `bound` of staleness.
+fn earliest(versions: &[Version], seen: Seen, began: Duration, i: usize, bound: Duration) -> usize {
+    if seen != Seen::Missing {
+        return i;
+    }
+    (0..=i)
+        .find(|&j| !versions[j].exists && staleness(versions, j, began) <= bound)
+        .unwrap_or(i)
+}
+
+/// How stale a read of version `i` that began at `began` was: how long
+/// before it the next version had committed.
+fn staleness(versions: &[Version], i: usize, began: Duration) -> Duration {
+    versions
+        .get(i + 1)
+        .map_or(Duration::ZERO, |next| began.saturating_sub(next.committed))
+}
+
+/// Judges every read against the history and the fault windows.
+pub fn check(history: &History, reads: &[Read], windows: &[Window], bounds: Bounds) -> Verdict {
+    let mut verdict = Verdict {
+        reads: reads.len(),
+        windows: vec![WindowFigures::default(); windows.len()],
+        ..Verdict::default()
+    };
+    // The window in force at an instant: the one with the largest bound
+    // among those begun and not yet converged.
+    let in_force = |at: Duration| -> Option<usize> {
+        windows
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.injected <= at && at <= w.healed + bounds.converge)
+            .max_by_key(|(_, w)| w.bound)
+            .map(|(i, _)| i)
+    };
+    let mut served: HashMap<Served, (usize, usize)> = HashMap::new();
+    // Each read's matched versions (the oldest and the latest it may have
+    // returned), for the regressions.
+    let mut index: Vec<Option<(usize, usize)>> = vec![None; reads.len()];
+    let mut stale_of: Vec<Duration> = vec![Duration::ZERO; reads.len()];
+    for (r, read) in reads.iter().enumerate() {
+        let versions = history.versions(read.post);
+        let window = in_force(read.began);
+        let i = match matched(versions, read.seen, read.ended) {
+            Ok(i) => i,
+            Err(phantom) => {
+                verdict.violations.push(Violation {
+                    read: r,
+                    problem: Problem::Phantom(phantom),
+                    window,
+                });
+                continue;
+            }
+        };
+        let stale = staleness(versions, i, read.began);
+        let tally = served.entry(read.served).or_default();
+        tally.0 += 1;
+        tally.1 += usize::from(stale > Duration::ZERO);
+        if read.served == Served::Stale {
+            verdict.marked_stale += 1;
+            verdict.marked_stale_old += usize::from(stale > Duration::ZERO);
+            continue;
+        }
+        let bound = match window {
+            Some(w) => {
+                let figures = &mut verdict.windows[w];
+                figures.reads += 1;
+                figures.max_staleness = figures.max_staleness.max(stale);
+                if stale > bounds.normal {
+                    *figures.stale_by.entry(read.served).or_default() += 1;
+                }
+                let since_heal = read.began.saturating_sub(windows[w].healed);
+                if read.began > windows[w].healed && stale > bounds.normal {
+                    figures.converged_after = figures.converged_after.max(since_heal);
+                }
+                windows[w].bound
+            }
+            None => {
+                verdict.normal_reads += 1;
+                verdict.normal_staleness.push(stale);
+                verdict.normal_stale += usize::from(stale > bounds.normal);
+                bounds.normal
+            }
+        };
+        index[r] = Some((earliest(versions, read.seen, read.began, i, bound), i));
+        stale_of[r] = stale;
+        if stale > bound {
+            verdict.violations.push(Violation {
+                read: r,
+                problem: Problem::Stale { by: stale, bound },
+                window,
+            });
+        }
+    }
+    // A regression under a fault whose bound allows its staleness is that
+    // staleness: counted for the fault, not a violation.
+    let allowed = |r: usize| -> Option<usize> {
+        in_force(reads[r].began)
+            .filter(|&w| windows[w].bound > bounds.normal && stale_of[r] <= windows[w].bound)
+    };
+    regressions(
+        reads,
+        &index,
+        |r| in_force(reads[r].began),
+        allowed,
+        &mut verdict,
+    );
+    verdict.violations.sort_by_key(|v| reads[v.read].began);
+    let mut by_served: Vec<_> = served.into_iter().map(|(s, (n, o))| (s, n, o)).collect();
+    by_served.sort();
+    verdict.by_served = by_served;
+    verdict.normal_staleness.sort();
+    verdict
+}
+
+/// Per process, in order of the reads' starts: a read older than what an
+/// earlier read of the same post on the same process, ended before it
+/// began, returned.
+fn regressions(
+    reads: &[Read],
+    index: &[Option<(usize, usize)>],
+    in_force: impl Fn(usize) -> Option<usize>,
+    allowed: impl Fn(usize) -> Option<usize>,
+    verdict: &mut Verdict,
+) {
+    let mut processes: HashMap<(u8, u16), Vec<usize>> = HashMap::new();
+    for (r, read) in reads.iter().enumerate() {
+        if index[r].is_some() {
+            processes
+                .entry((read.instance, read.incarnation))
+                .or_default()
+                .push(r);
+        }
+    }
+    for (_, mut by_start) in processes {
+        let mut by_end = by_start.clone();
+        by_start.sort_by_key(|&r| reads[r].began);
+        by_end.sort_by_key(|&r| reads[r].ended);
+        // Per post: the newest version index returned so far, and by which read.
+        let mut newest: HashMap<i64, (usize, usize)> = HashMap::new();
+        let mut ended = by_end.iter().peekable();
+        for &r in &by_start {
+            while let Some(&&e) = ended.peek() {
+                if reads[e].ended >= reads[r].began {
+                    break;
+                }
+                let (seen, _) = index[e].expect("only matched reads");
+                let best = newest.entry(reads[e].post).or_insert((seen, e));
+                if seen > best.0 {
+                    *best = (seen, e);
+                }
+                ended.next();
+            }
+            let (_, i) = index[r].expect("only matched reads");
+            if let Some(&(before, after)) = newest.get(&reads[r].post) {
+                if i < before {
+                    if let Some(w) = allowed(r) {
+                        verdict.windows[w].regressions += 1;
+                        continue;
+                    }
+                    verdict.violations.push(Violation {
+                        read: r,
+                        problem: Problem::Regression { after },
+                        window: in_force(r),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// A violation with its history: the read, the post's versions around the
+/// one it returned, and the other reads of the post on that instance
+/// around it (at most `around` each side).
+pub fn explain(
+    history: &History,
+    reads: &[Read],
+    windows: &[Window],
+    violation: &Violation,
+    around: usize,
+) -> String {
+    let read = &reads[violation.read];
+    let ms = |d: Duration| format!("{:.1} ms", d.as_secs_f64() * 1e3);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:?}: post {} on instance {} (process {}), {} read from {} to {}, saw {:?}, served {}",
+        violation.problem,
+        read.post,
+        read.instance,
+        read.incarnation,
+        if read.batch { "batch" } else { "single" },
+        ms(read.began),
+        ms(read.ended),
+        read.seen,
+        read.served.as_str(),
+    );
+    if let Problem::Regression { after } = violation.problem {
+        let o = &reads[after];
+        let _ = writeln!(
+            out,
+            "  after a read from {} to {} that saw {:?}, served {}",
+            ms(o.began),
+            ms(o.ended),
+            o.seen,
+            o.served.as_str()
+        );
+    }
+    if let Some(w) = violation.window {
+        let w = &windows[w];
+        let _ = writeln!(
+            out,
+            "  in force: {} ({}), injected at {}, healed at {}, bound {}",
+            w.kind,
+            w.what,
+            ms(w.injected),
+            ms(w.healed),
+            ms(w.bound)
+        );
+    }
+    let versions = history.versions(read.post);
+    // From the version the read returned (or the one before the newest it
+    // may have seen) to the first that committed after it ended.
+    let newest = versions
+        .iter()
+        .rposition(|v| v.began <= read.ended)
+        .unwrap_or(0);
+    let from = matched(versions, read.seen, read.ended)
+        .unwrap_or(newest)
+        .min(newest)
+        .saturating_sub(1);
+    let to = (newest + 2).min(versions.len());
+    let _ = writeln!(out, "  versions of post {} around it:", read.post);
+    if to - from > 12 {
+        let _ = writeln!(out, "    ({} versions, the first and last 6)", to - from);
+    }
+    for (i, v) in versions[from..to].iter().enumerate() {
+        if to - from > 12 && (6..to - from - 6).contains(&i) {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "    v{} {}: began {}, committed {}",
+            v.seq,
+            if v.exists { "written" } else { "deleted" },
+            ms(v.began),
+            ms(v.committed)
+        );
+    }
+    let same: Vec<&Read> = reads
+        .iter()
+        .filter(|o| o.post == read.post && o.instance == read.instance)
+        .collect();
+    let at = same
+        .iter()
+        .position(|o| std::ptr::eq(*o, read))
+        .unwrap_or(0);
+    let _ = writeln!(
+        out,
+        "  reads of post {} on that instance around it:",
+        read.post
+    );
+    for o in &same[at.saturating_sub(around)..(at + around + 1).min(same.len())] {
+        let _ = writeln!(
+            out,
+            "    {}{} to {} (process {}): {:?}, {}",
+            if std::ptr::eq(*o, read) { "> " } else { "  " },
+            ms(o.began),
+            ms(o.ended),
+            o.incarnation,
+            o.seen,
+            o.served.as_str()
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn version(seq: u32, exists: bool, began: u64, committed: u64) -> Version {
+        Version {
+            seq,
+            exists,
+            began: ms(began),
+            committed: ms(committed),
+        }
+    }
+
+    /// Post 1: seeded at 0, v1 written 100–110, deleted (v2) 200–210,
+    /// written again (v3) 300–310.
+    fn history() -> History {
+        let mut h = History::default();
+        h.commit(1, version(0, true, 0, 0));
+        h.commit(1, version(1, true, 100, 110));
+        h.commit(1, version(2, false, 200, 210));
+        h.commit(1, version(3, true, 300, 310));
+        h
+    }
+
+    fn read(began: u64, ended: u64, seen: Seen) -> Read {
+        Read {
+            post: 1,
+            instance: 0,
+            incarnation: 0,
+            began: ms(began),
+            ended: ms(ended),
+            seen,
+            served: Served::Redis,
+            batch: false,
+        }
+    }
+
+    const BOUNDS: Bounds = Bounds {
+        normal: Duration::from_millis(100),
+        converge: Duration::from_millis(1000),
+    };
+
+    fn problems(reads: &[Read], windows: &[Window]) -> Vec<Problem> {
+        check(&history(), reads, windows, BOUNDS)
+            .violations
+            .iter()
+            .map(|v| v.problem)
+            .collect()
+    }
+
+    #[test]
+    fn a_read_of_the_latest_version_or_of_one_being_replaced_is_fresh() {
+        let reads = [
+            read(50, 60, Seen::Found(0)),
+            // Began before v1's commit returned: v0 may still be current.
+            read(105, 120, Seen::Found(0)),
+            read(105, 120, Seen::Found(1)),
+            read(400, 401, Seen::Found(3)),
+        ];
+        let verdict = check(&history(), &reads, &[], BOUNDS);
+        assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+        assert_eq!(verdict.normal_stale, 0);
+        assert_eq!(verdict.normal_staleness.last(), Some(&ms(0)));
+    }
+
+    #[test]
+    fn staleness_runs_from_the_next_versions_commit_to_the_reads_start() {
+        let verdict = check(&history(), &[read(180, 181, Seen::Found(0))], &[], BOUNDS);
+        assert_eq!(verdict.normal_staleness, [ms(70)], "v1 committed at 110");
+        assert!(verdict.violations.is_empty(), "70 ms is within 100 ms");
+
+        let problems = problems(&[read(250, 251, Seen::Found(0))], &[]);
+        assert_eq!(
+            problems,
+            [Problem::Stale {
+                by: ms(140),
+                bound: ms(100)
+            }]
+        );
+    }
+
+    #[test]
+    fn a_404_is_matched_to_the_latest_deletion_it_may_have_seen() {
+        // Between the delete and the re-insert: fresh.
+        assert!(problems(&[read(250, 260, Seen::Missing)], &[]).is_empty());
+        // The re-insert committed at 310: 404 at 500 is 190 ms stale.
+        assert_eq!(
+            problems(&[read(500, 501, Seen::Missing)], &[]),
+            [Problem::Stale {
+                by: ms(190),
+                bound: ms(100)
+            }]
+        );
+        // Before any deletion had begun: the post existed throughout.
+        assert_eq!(
+            problems(&[read(120, 150, Seen::Missing)], &[]),
+            [Problem::Phantom(Phantom::MissingThroughout)]
+        );
+    }
+
+    #[test]
+    fn phantoms_are_versions_never_committed_from_the_future_or_garbled() {
+        let reads = [
+            read(500, 501, Seen::Found(7)),
+            // v2 is the deletion: no body carries it.
+            read(500, 501, Seen::Found(2)),
+            read(50, 60, Seen::Found(3)),
+            read(50, 60, Seen::Garbled(Garble::Mixed)),
+        ];
+        assert_eq!(
+            problems(&reads, &[]),
+            [
+                Problem::Phantom(Phantom::FromTheFuture(3)),
+                Problem::Phantom(Phantom::Garbled(Garble::Mixed)),
+                Problem::Phantom(Phantom::NeverCommitted(7)),
+                Problem::Phantom(Phantom::NeverCommitted(2)),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_fault_window_lends_its_bound_until_it_has_converged() {
+        let windows = [Window {
+            kind: "redis paused",
+            what: String::new(),
+            injected: ms(120),
+            healed: ms(600),
+            bound: ms(3000),
+        }];
+        // 140 ms stale in the window: within its bound, and counted for it.
+        let reads = [read(250, 251, Seen::Found(0))];
+        let verdict = check(&history(), &reads, &windows, BOUNDS);
+        assert!(verdict.violations.is_empty());
+        assert_eq!(verdict.windows[0].max_staleness, ms(140));
+        assert_eq!(verdict.normal_reads, 0);
+
+        // Begun 500 ms after the heal and stale: it converged no sooner.
+        let late = [read(1100, 1101, Seen::Found(1))];
+        let verdict = check(&history(), &late, &windows, BOUNDS);
+        assert!(verdict.violations.is_empty());
+        assert_eq!(verdict.windows[0].converged_after, ms(500));
+
+        // Past the heal and the convergence allowance: the normal bound.
+        let after = [read(1700, 1701, Seen::Found(1))];
+        let verdict = check(&history(), &after, &windows, BOUNDS);
+        assert_eq!(verdict.stale(), 1);
+        assert_eq!(verdict.normal_stale, 1);
+    }
+
+    #[test]
+    fn an_older_version_after_a_newer_one_on_the_same_process_is_a_regression() {
+        let newer = read(115, 120, Seen::Found(1));
+        // Began after `newer` ended, and returned v0: within the staleness
+        // bound (v1 committed at 110), but a step back.
+        let older = read(121, 125, Seen::Found(0));
+        assert_eq!(
+            problems(&[newer, older], &[]),
+            [Problem::Regression { after: 0 }]
+        );
+        // Overlapping reads may return either.
+        let overlapping = read(119, 125, Seen::Found(0));
+        assert!(problems(&[newer, overlapping], &[]).is_empty());
+        // A 404 seen before is the oldest deletion it may have served
+        // within the bound: the one current when it began (v2).
+        let mut h = history();
+        h.commit(1, version(4, false, 400, 401));
+        h.commit(1, version(5, true, 500, 501));
+        let missing = read(250, 450, Seen::Missing);
+        let after = read(460, 470, Seen::Found(3));
+        let verdict = check(&h, &[missing, after], &[], BOUNDS);
+        assert_eq!(verdict.regressions(), 0, "{:?}", verdict.violations);
+        let later = read(600, 610, Seen::Found(3));
+        let verdict = check(&h, &[missing, later], &[], BOUNDS);
+        assert_eq!(verdict.stale(), 1);
+        assert_eq!(verdict.regressions(), 0, "the 404 may have been v2");
+        // Another process of the instance (restarted) is not bound by it.
+        let restarted = Read {
+            incarnation: 1,
+            ..older
+        };
+        assert!(problems(&[newer, restarted], &[]).is_empty());
+    }
+
+    #[test]
+    fn reads_marked_stale_are_counted_apart_and_judged_for_phantoms_only() {
+        let marked = Read {
+            served: Served::Stale,
+            ..read(900, 901, Seen::Found(1))
+        };
+        let verdict = check(&history(), &[marked], &[], BOUNDS);
+        assert!(verdict.violations.is_empty());
+        assert_eq!((verdict.marked_stale, verdict.marked_stale_old), (1, 1));
+        let garbled = Read {
+            seen: Seen::Found(9),
+            ..marked
+        };
+        assert_eq!(verdict.normal_reads, 0);
+        assert_eq!(
+            problems(&[garbled], &[]),
+            [Problem::Phantom(Phantom::NeverCommitted(9))]
+        );
+    }
+
+    #[test]
+    fn nines_count_the_stale_share_outside_faults() {
+        let mut reads = vec![read(400, 401, Seen::Found(3)); 999];
+        reads.push(read(400, 401, Seen::Found(1)));
+        let verdict = check(&history(), &reads, &[], BOUNDS);
+        assert_eq!(verdict.normal_stale, 1);
+        assert!((verdict.nines().unwrap() - 3.0).abs() < 1e-9);
+    }
+}
