@@ -4,8 +4,8 @@
 //! One item: one script (`redis/scripts/apply.lua`) sets the item's fence
 //! to the change, so that a leader that read the row before it stores
 //! nothing (see `redis/scripts/finish.rs`), and deletes the value, or marks it stale under
-//! stale-while-revalidate, or for a delete leaves a tombstone in place of
-//! the value and the fail-safe copy. Idempotent: a change already applied
+//! stale-while-revalidate; a delete also leaves a tombstone in place of
+//! the fail-safe copy. Idempotent: a change already applied
 //! (kept in a set beside the fence) is skipped, so every instance may apply
 //! every change, in any order.
 //!
@@ -41,11 +41,10 @@ impl<S: Source> ReadPath<S> {
         // After Redis (see memory.rs), whether this process applied the
         // change, another did, or Redis failed.
         self.memory.evict(key);
-        if let Some(ordinal) = S::ordinal(key) {
-            match kind {
-                ChangeKind::Deleted => self.guard.remove(ordinal),
-                ChangeKind::Changed => self.guard.admit(ordinal),
-            }
+        // A change may be an insert; a deletion leaves the guard as it is
+        // (see guard.rs).
+        if let (Some(ordinal), ChangeKind::Changed) = (S::ordinal(key), kind) {
+            self.guard.admit(ordinal);
         }
         applied
     }
@@ -113,12 +112,10 @@ impl<S: Source> ReadPath<S> {
     }
 
     /// As [`ReadPath::forget`], for an item deleted: the existence guard
-    /// drops it.
+    /// keeps it (the news may come after the item was inserted again and
+    /// served here: see guard.rs).
     pub fn forget_deleted(&self, key: &S::Key) {
         self.memory.evict(key);
-        if let Some(ordinal) = S::ordinal(key) {
-            self.guard.remove(ordinal);
-        }
     }
 
     /// Every item changed at `since`, the cutoff raised to `cutoff` for it
@@ -208,7 +205,6 @@ fn apply_with(s: &Settings) -> (Entry, ApplyFor) {
     let tombstone = Entry::new(Status::NotFound, &[], negative, Duration::ZERO);
     let lifetimes = ApplyFor {
         fence: s.fence_ttl(),
-        tombstone: negative,
         tombstone_copy: if s.max_stale.is_zero() {
             Duration::ZERO
         } else {

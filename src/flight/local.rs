@@ -6,12 +6,21 @@
 //! The result is handed out through a `watch` channel: every joiner, early or
 //! late, sees the single value, and if the task panics its sender is dropped,
 //! which wakes every joiner with an error instead of leaving them hanging.
+//!
+//! A flight can be overtaken: this process served a newer answer for its
+//! key from Redis while it ran (a leader elsewhere stored it after this
+//! flight's load, or its message, was read). It is then detached: it ends
+//! for those who joined it, and a request that comes after starts a new one,
+//! so that nobody who came after the newer answer gets the older one.
 
 use std::{
     collections::HashMap,
     future::Future,
     hash::Hash,
-    sync::{Arc, Mutex, PoisonError},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex, PoisonError,
+    },
     time::Duration,
 };
 
@@ -26,6 +35,9 @@ type Slot<V> = watch::Receiver<Option<V>>;
 pub struct Flights<K, V> {
     /// A std mutex: only held to look up, insert or remove, never across an await.
     running: Arc<Mutex<HashMap<K, Slot<V>>>>,
+    /// How many run: read without the lock by [`Flights::detach`], which
+    /// every hit in Redis calls (flights are rare beside hits).
+    count: Arc<AtomicUsize>,
     /// Where flight tasks are spawned, so that shutdown can wait for them.
     tasks: TaskTracker,
 }
@@ -54,6 +66,7 @@ impl<K, V> Flights<K, V> {
     pub fn new(tasks: TaskTracker) -> Self {
         Self {
             running: Arc::default(),
+            count: Arc::default(),
             tasks,
         }
     }
@@ -68,6 +81,7 @@ impl<K, V> Default for Flights<K, V> {
 /// Removes a flight from the map when its task ends, however it ends.
 struct Deregister<K: Eq + Hash, V> {
     running: Arc<Mutex<HashMap<K, Slot<V>>>>,
+    count: Arc<AtomicUsize>,
     key: K,
     slot: Slot<V>,
 }
@@ -75,6 +89,7 @@ struct Deregister<K: Eq + Hash, V> {
 impl<K: Eq + Hash, V> Drop for Deregister<K, V> {
     fn drop(&mut self) {
         metrics::flights(-1.0);
+        self.count.fetch_sub(1, Ordering::SeqCst);
         let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
         // Only our own slot: never a later flight that reused the key.
         if running
@@ -126,11 +141,13 @@ where
                     running.insert(key.clone(), rx.clone());
                     let deregister = Deregister {
                         running: self.running.clone(),
+                        count: self.count.clone(),
                         key,
                         slot: rx.clone(),
                     };
                     let fut = start();
                     metrics::flights(1.0);
+                    self.count.fetch_add(1, Ordering::SeqCst);
                     self.tasks.spawn(async move {
                         let value = fut.await;
                         // Publish first, then deregister (on drop).
@@ -155,12 +172,20 @@ where
         };
         (role, result)
     }
+
+    /// Detaches the flight for `key`, if one runs: it goes on for those
+    /// who joined it, and the next caller starts a new one (see the
+    /// module's comment).
+    pub fn detach(&self, key: &K) {
+        if self.count.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        self.lock().remove(key);
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
     use super::*;
 
     const PATIENCE: Duration = Duration::from_secs(5);
@@ -190,6 +215,24 @@ mod tests {
         }
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         assert_eq!(owners, 1);
+        assert!(flights.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_detached_flight_ends_for_its_joiners_and_the_next_caller_starts_anew() {
+        let flights = Arc::new(Flights::<u32, u32>::default());
+        let first = owner(&flights, 100, 1);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let joiner = {
+            let flights = flights.clone();
+            tokio::spawn(async move { flights.run(1, PATIENCE, || async { 9 }).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        flights.detach(&1);
+        let (role, after) = flights.run(1, PATIENCE, || async { 2 }).await;
+        assert_eq!((role, after), (Role::Owner, Ok(2)), "a new flight");
+        assert_eq!(joiner.await.unwrap(), (Role::Joiner, Ok(1)));
+        assert_eq!(first.await.unwrap(), (Role::Owner, Ok(1)));
         assert!(flights.is_empty());
     }
 

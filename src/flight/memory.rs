@@ -143,6 +143,16 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
         if generation.load(Ordering::SeqCst) != ticket.generation {
             return;
         }
+        // Never an older entry over a newer one: a flight detached from
+        // its key (see local.rs) may end after a newer answer was kept.
+        // (Two fills of one key at the same instant may still cross; the
+        // ticket above refuses either if a change came between.)
+        if cache
+            .peek(key)
+            .is_some_and(|kept| kept.entry.stored_at() > entry.stored_at())
+        {
+            return;
+        }
         let ttl = u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX);
         let until = entry.fresh_until().min(now.saturating_add(ttl));
         cache.insert(
@@ -155,6 +165,22 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
         // An eviction between the check above and the insert: undo.
         if generation.load(Ordering::SeqCst) != ticket.generation {
             cache.remove(key);
+        }
+    }
+
+    /// `entry` was served for `key` from elsewhere (Redis, a load, a
+    /// message): a kept entry older than it goes, and the fills begun
+    /// before now with it (they may be older still), so that the tier never
+    /// takes this process back to an older version than one it served.
+    pub fn supersede(&self, key: &K, entry: &Entry) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        if cache
+            .peek(key)
+            .is_some_and(|kept| kept.entry.stored_at() < entry.stored_at())
+        {
+            self.evict(key);
         }
     }
 

@@ -266,8 +266,33 @@ impl<S: Source> ReadPath<S> {
 
     /// What follows the first look in Redis (`verdict`; `redis_up`: worth
     /// trying again for the lock): serve it, or this process's flight.
-    /// `ticket` was taken before the look (see memory.rs).
+    /// `ticket` was taken before the look (see memory.rs). The memory tier
+    /// keeps nothing older than what is served (see memory.rs), and a post
+    /// served found is known to the existence guard (see guard.rs).
     async fn after_look_up(
+        self: &Arc<Self>,
+        key: S::Key,
+        now: u64,
+        verdict: Verdict,
+        redis_up: bool,
+        ticket: memory::Ticket,
+    ) -> Result<Answer, ReadError> {
+        let answer = self
+            .answer_after_look_up(key.clone(), now, verdict, redis_up, ticket)
+            .await;
+        if let Ok(answer) = &answer {
+            // What this process serves from now on is no older.
+            self.memory.supersede(&key, answer.entry());
+            if let Some(ordinal) = S::ordinal(&key) {
+                if answer.entry().status() == crate::cache::Status::Found {
+                    self.guard.seen_found(ordinal);
+                }
+            }
+        }
+        answer
+    }
+
+    async fn answer_after_look_up(
         self: &Arc<Self>,
         key: S::Key,
         now: u64,
@@ -279,6 +304,9 @@ impl<S: Source> ReadPath<S> {
         match verdict {
             Verdict::Fresh(entry) => {
                 span.record("role", "hit");
+                // A flight of this key still running read before this
+                // (see local.rs): later requests must not get its answer.
+                self.flights.detach(&key);
                 self.memory.fill(&key, &entry, &ticket, now_millis());
                 self.maybe_refresh_early(&key, &entry, now);
                 return Answer::new(entry, Served::Hit);
@@ -433,6 +461,9 @@ impl<S: Source> ReadPath<S> {
             })
         });
         let span = tracing::Span::current();
+        if let Ok(answer) = &outcome {
+            tracing::debug!(?role, served = ?answer.served, stored_at = answer.entry().stored_at(), "flight answered");
+        }
         match role {
             Role::Owner => {
                 span.record("role", "flight_owner");

@@ -62,6 +62,10 @@ pub(super) struct Flight<'a, S: Source> {
     failure: Option<RedisError>,
     /// What the claim that won the lock read, for the leader.
     claimed: Option<Before>,
+    /// When this flight last looked at the value (unix ms, before the GET):
+    /// a message whose entry was loaded before then was published before
+    /// the look, and the look did not answer with it.
+    looked_at: u64,
 }
 
 impl<'a, S: Source> Flight<'a, S> {
@@ -77,6 +81,7 @@ impl<'a, S: Source> Flight<'a, S> {
             hard: (deadline + path.settings.redis_timeout).into(),
             failure: None,
             claimed: None,
+            looked_at: 0,
         }
     }
 
@@ -128,6 +133,7 @@ impl<'a, S: Source> Flight<'a, S> {
                     Err(failed) => self.failed(failed),
                 },
                 Step::Look => {
+                    self.looked_at = now_millis();
                     match bounded(self.hard, self.path.redis.lookup(&self.keys.value)).await {
                         Ok(entry) => Event::Looked(self.judge(entry)),
                         Err(failed) => self.failed(failed),
@@ -189,6 +195,22 @@ impl<'a, S: Source> Flight<'a, S> {
             // The leader was fenced or gone: elect again.
             Ok(Notice::Message(payload)) if payload.as_ref() == RETRY => None,
             Ok(Notice::Message(payload)) => match Entry::decode(payload) {
+                // Loaded before this flight's last look, which did not find
+                // it: stored before the look and gone by then (a change
+                // applied), or published without being stored. A message
+                // the shared subscription dispatched late, or one published
+                // before this flight subscribed to a channel other flights
+                // of this process kept, is such a message: served, it would
+                // take this process back to a version older than one it may
+                // have served meanwhile. Look again instead (a message just
+                // as the store lands costs one more GET).
+                Ok(entry) if entry.stored_at() < self.looked_at => {
+                    tracing::debug!(
+                        channel = keys.channel,
+                        "a ready message older than the last look; looking again"
+                    );
+                    None
+                }
                 Ok(entry) => Some(entry),
                 Err(error) => {
                     metrics::garbage("message");
@@ -264,6 +286,11 @@ async fn listen<S: Source>(path: &ReadPath<S>, keys: &ItemKeys) -> Result<Listen
 /// Counts a wait that ended (and tells the test hook).
 #[cfg_attr(not(feature = "testkit"), allow(unused_variables))]
 fn wait_ended<S: Source>(path: &ReadPath<S>, how: WaitEnd, took: Duration) {
+    tracing::debug!(
+        how = how.as_str(),
+        took_ms = took.as_secs_f64() * 1e3,
+        "wait ended"
+    );
     metrics::wait_ended(how.as_str(), took);
     #[cfg(feature = "testkit")]
     if let Some(hook) = &path.settings.hooks.wait_ended {

@@ -27,10 +27,13 @@ local function apply_one(K, A)
   -- read replica must have replayed it.
   local fence = A.always_fence == '1' or value or redis.call('EXISTS', K.lock) == 1
   if A.kind == 'delete' then
-    -- Deleted: a tombstone in place of what is kept, so that neither the
-    -- value nor the fail-safe copy ever serves the old body again.
+    -- Deleted: the value goes (the next read loads and stores the post's
+    -- absence: a tombstone written here could land over a newer value, a
+    -- post inserted again and stored before this deletion was applied),
+    -- and a tombstone takes the fail-safe copy's place, so that a failed
+    -- load never serves the old body again.
     if value then
-      redis.call('SET', K.value, A.tombstone, 'PX', A.tombstone_ms)
+      redis.call('DEL', K.value)
     end
     if tonumber(A.tombstone_copy_ms) > 0 then
       redis.call('SET', K.fail_safe, A.tombstone, 'PX', A.tombstone_copy_ms, 'XX')

@@ -5,9 +5,9 @@
 //! skipped, applied by this instance or another, in whatever order the
 //! changes arrive. Sets the fence to the change, a value no fence had
 //! before, and records the change as applied (both for the fence's
-//! lifetime, while there is a value or a leader to fence). A delete puts a
-//! tombstone (a not-found entry) in place of the value and of the fail-safe
-//! copy, where they exist. Any other change deletes the value, or with
+//! lifetime, while there is a value or a leader to fence). A delete deletes
+//! the value and puts a tombstone (a not-found entry) in place of the
+//! fail-safe copy, where there is one. Any other change deletes the value, or with
 //! stale-while-revalidate marks a found one stale (fresh until now, kept no
 //! longer than the grace window), and deletes a tombstone copy (the item
 //! exists again).
@@ -40,11 +40,9 @@ layout! {
     Shared {
         /// How long the fence outlives the change, ms.
         fence_ms,
-        /// The not-found entry a delete leaves.
+        /// The not-found entry a delete leaves as the fail-safe copy.
         tombstone,
-        /// Its TTL as the value, ms.
-        tombstone_ms,
-        /// Its TTL as the fail-safe copy, ms (0: none).
+        /// Its TTL, ms (0: none).
         tombstone_copy_ms,
         /// The stale-while-revalidate window, ms (0: off).
         grace_ms,
@@ -104,7 +102,7 @@ return applied
 /// How a change is applied to an item's keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChangeKind {
-    /// The item is gone: tombstones in place of what is kept.
+    /// The item is gone: the value deleted, a tombstone as its fail-safe copy.
     Deleted,
     /// Anything else: what is stored is no longer to be trusted.
     Changed,
@@ -115,9 +113,7 @@ pub enum ChangeKind {
 pub struct ApplyFor {
     /// How long the fence outlives the change.
     pub fence: Duration,
-    /// The tombstone as the value (NEGATIVE_TTL), and as the fail-safe copy
-    /// (0: none).
-    pub tombstone: Duration,
+    /// The tombstone as the fail-safe copy (0: none).
     pub tombstone_copy: Duration,
     /// The stale-while-revalidate window (0: off).
     pub grace: Duration,
@@ -166,7 +162,6 @@ impl Call for ApplyMany<'_> {
         let mut args = Shared {
             fence_ms: Value::Integer(super::ms(l.fence).max(1)),
             tombstone: Value::Bytes(self.tombstone.raw().clone()),
-            tombstone_ms: Value::Integer(super::ms(l.tombstone).max(1)),
             tombstone_copy_ms: Value::Integer(super::ms(l.tombstone_copy)),
             grace_ms: Value::Integer(super::ms(l.grace)),
             now: Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
@@ -210,7 +205,6 @@ mod contract {
     fn lifetimes(grace: Duration) -> ApplyFor {
         ApplyFor {
             fence: MINUTE,
-            tombstone: MINUTE,
             tombstone_copy: MINUTE,
             grace,
             always_fence: false,
@@ -272,10 +266,9 @@ mod contract {
         );
         let fence: Option<String> = client.get(&changed.fence).await.unwrap();
         assert_eq!(fence.as_deref(), Some("10"));
-        assert_eq!(
-            get(&client, &deleted.value).await.as_ref(),
-            Some(&tombstone)
-        );
+        // Deleted, not a tombstone: one written here could land over a
+        // newer value (the post inserted again, and loaded, since).
+        assert_eq!(get(&client, &deleted.value).await, None);
         assert_eq!(
             get(&client, &deleted.fail_safe).await.as_ref(),
             Some(&tombstone)
