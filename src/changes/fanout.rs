@@ -12,8 +12,10 @@
 //! connection is being remade is lost without a word, while a stream is
 //! read on from the last id seen, each XREAD after the previous one. When a
 //! read fails (Redis may have restarted or failed over, and lost entries),
-//! the instance forgets its whole memory tier, takes the stream from its
-//! end, and says its feed is down until a beat appended after that comes.
+//! the instance takes the stream from its end once it answers again,
+//! forgetting its whole memory tier then, and says its feed is down until a
+//! beat appended after that comes; meanwhile its memory tier serves while
+//! the last beat is fresh.
 //! Redis itself needs nothing from the stream: the decoder applied every
 //! change there before appending it.
 //!
@@ -133,6 +135,20 @@ pub async fn append(redis: &RedisCommands, key: &str, entry: &Entry) -> Result<(
     redis.stream_append(key, STREAM_MAX, entry.fields()).await
 }
 
+/// Entries looked at, newest first, for the last beat.
+const BEAT_SEARCH: u64 = 200;
+
+/// The position of the last beat in the stream at `key`: everything up to
+/// it was applied to Redis and announced (a decoder beats only with
+/// nothing waiting for Redis). `None` when none of the last entries is one.
+pub async fn last_beat(redis: &RedisCommands, key: &str) -> Result<Option<u64>, RedisError> {
+    let tail = redis.stream_tail(key, BEAT_SEARCH).await?;
+    Ok(tail.iter().find_map(|fields| match Entry::parse(fields) {
+        Some(Entry::Beat { lsn, .. }) => Some(lsn),
+        _ => None,
+    }))
+}
+
 /// What the instance knows of the decoder, from the stream.
 #[derive(Debug, Default)]
 pub struct Beats {
@@ -170,7 +186,7 @@ impl Beats {
 }
 
 /// Reads the stream for one instance until aborted; `connected` says
-/// whether its last read succeeded.
+/// whether a read has succeeded since it started.
 pub(super) struct Reader {
     pub read_path: Arc<ReadPath<PostStore>>,
     /// A connection of its own: XREAD BLOCK holds it.
@@ -186,13 +202,13 @@ impl Reader {
         let mut last: Option<String> = None;
         let mut backoff = RETRY_FIRST;
         loop {
-            match self.follow(&mut last).await {
+            match self.follow(&mut last, &mut backoff).await {
                 Ok(never) => match never {},
                 Err(error) => {
-                    if *self.connected.borrow() {
+                    if backoff == RETRY_FIRST {
                         tracing::warn!(
                             error = format!("{error:#}"),
-                            "change stream unreadable; forgetting the memory tier until it is back"
+                            "change stream unreadable; reading it again"
                         );
                     } else {
                         tracing::debug!(
@@ -200,28 +216,47 @@ impl Reader {
                             "change stream still unreadable"
                         );
                     }
-                    self.connected.send_replace(false);
                     // Entries may be lost meanwhile (a Redis restarted, a
-                    // failover): nothing the memory tier holds is trusted.
-                    self.read_path.forget_all();
+                    // failover): read again from the stream's end, and
+                    // forget the memory tier then (see `follow`). Until
+                    // then the tier serves on for as long as the last beat
+                    // is fresh (BEAT_STALE): a Redis blip costs it nothing,
+                    // an outage no more than that of staleness, as a stalled
+                    // decoder does. (A read whose connection dropped fails at
+                    // once: it is never sent again on the next connection.)
                     last = None;
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(RETRY_MAX);
                 }
             }
-            if *self.connected.borrow() {
-                backoff = RETRY_FIRST;
-            }
         }
     }
 
-    async fn follow(&self, last: &mut Option<String>) -> anyhow::Result<std::convert::Infallible> {
+    /// Reads the stream from `last` (its end when `None`) until a read
+    /// fails; `backoff` is reset by every read that succeeds.
+    async fn follow(
+        &self,
+        last: &mut Option<String>,
+        backoff: &mut Duration,
+    ) -> anyhow::Result<std::convert::Infallible> {
         let limit = BLOCK + self.timeout;
+        // Past the client's own command timeout (REDIS_TIMEOUT); and a
+        // command whose connection drops fails at once, never sent again
+        // on the next one: Redis restarted or failed over may have lost
+        // entries, and until this read fails the memory tier serves on,
+        // unaware of the changes no decoder can apply meanwhile.
+        let options = fred::types::config::Options {
+            timeout: Some(limit),
+            max_attempts: Some(1),
+            fail_fast: true,
+            ..Default::default()
+        };
+        let client = self.client.with_options(&options);
         if last.is_none() {
             // From the end: what came before is in Redis already, and this
             // process's memory tier holds nothing older than now.
             let tail: Vec<StreamEntry> =
-                bounded(limit, self.client.xrevrange(&self.key, "+", "-", Some(1))).await?;
+                bounded(limit, client.xrevrange(&self.key, "+", "-", Some(1))).await?;
             *last = Some(
                 tail.first()
                     .map_or_else(|| "0-0".to_owned(), |(id, _)| id.clone()),
@@ -232,14 +267,9 @@ impl Reader {
         }
         loop {
             let after = last.clone().expect("set above");
-            // Past the client's own command timeout (REDIS_TIMEOUT).
-            let options = fred::types::config::Options {
-                timeout: Some(limit),
-                ..Default::default()
-            };
             let read: Value = bounded(
                 limit,
-                self.client.with_options(&options).xread(
+                client.xread(
                     Some(READ_COUNT),
                     Some(BLOCK.as_millis() as u64),
                     &self.key,
@@ -254,6 +284,7 @@ impl Reader {
                 read.into_xread_response()?
             };
             self.connected.send_replace(true);
+            *backoff = RETRY_FIRST;
             for (id, fields) in read.into_values().flatten() {
                 self.take(Entry::parse(&fields)).await;
                 *last = Some(id);

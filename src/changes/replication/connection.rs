@@ -94,7 +94,13 @@ pub(super) fn refusal(error: &pgwire_replication::PgWireError) -> Refusal {
         Refusal::Held
     } else if text.contains("42704") || text.contains("does not exist") && text.contains("slot") {
         Refusal::Missing
-    } else if text.contains("can no longer get changes") || text.contains("has been invalidated") {
+    } else if text.contains("can no longer get changes")
+        || text.contains("has been invalidated")
+        // PostgreSQL 15's START_REPLICATION on an invalidated slot (its
+        // DETAIL, which says why, is not in the error): taken for any other
+        // failure, the fleet retried for ever with its feed down.
+        || text.contains("cannot read from logical replication slot")
+    {
         Refusal::Invalidated
     } else {
         Refusal::Other
@@ -140,6 +146,9 @@ mod tests {
         assert_eq!(refusal(&held), Refusal::Held);
         assert_eq!(refusal(&missing), Refusal::Missing);
         assert_eq!(refusal(&lost), Refusal::Invalidated);
+        let lost_15 =
+            Server("cannot read from logical replication slot \"s\" (SQLSTATE 55000)".into());
+        assert_eq!(refusal(&lost_15), Refusal::Invalidated);
         assert_eq!(
             refusal(&Server("connection refused".into())),
             Refusal::Other

@@ -132,12 +132,24 @@ impl Candidate {
     /// aborted.
     pub async fn run(self) {
         let mut backoff = RETRY_FIRST;
+        // When this instance last decoded: the beats are its own for
+        // BEAT_STALE after that.
+        let mut held: Option<Instant> = None;
         loop {
-            // Stand by while another instance's beats come.
-            while self.beats.fresh() {
+            // Stand by while another instance's beats come; not this one's
+            // own: an instance that lost the slot (its connection cut,
+            // PostgreSQL restarted, the slot dropped) tries again at once,
+            // instead of waiting out the beats it wrote itself.
+            let own_beats = held.is_some_and(|at| at.elapsed() < BEAT_STALE);
+            while !own_beats && self.beats.fresh() {
                 tokio::time::sleep(STANDBY_EVERY).await;
             }
-            let error = match self.hold().await {
+            let mut decoded = false;
+            let result = self.hold(&mut decoded).await;
+            if decoded {
+                held = Some(Instant::now());
+            }
+            let error = match result {
                 Ok(()) => {
                     backoff = RETRY_FIRST;
                     continue;
@@ -247,6 +259,42 @@ impl Candidate {
         Ok(())
     }
 
+    /// Where a new session starts: past everything the fleet's stream says
+    /// was applied and announced (its last beat), or the slot's own
+    /// position (0) when the stream says nothing.
+    ///
+    /// PostgreSQL saves a slot's confirmed position at checkpoints: after a
+    /// crash it sends again what came after the last save, minutes of
+    /// changes. Applied again out of their time, old changes do harm: a
+    /// deletion's tombstone over a post inserted again since, its id taken
+    /// from the existence guards, a fence set back to an older position
+    /// (examples/coherence found the first two: 404s for posts that
+    /// existed, 7 s stale). START_REPLICATION starts at the later of the
+    /// slot's position and the one asked for. A position past the
+    /// server's WAL (a database restored from an older backup) is ignored.
+    async fn resume_at(&self) -> u64 {
+        let announced = match fanout::last_beat(self.read_path.redis(), &self.stream_key).await {
+            Ok(Some(lsn)) => lsn,
+            Ok(None) => return 0,
+            Err(error) => {
+                tracing::debug!(%error, "could not read the last beat; starting at the slot's position");
+                return 0;
+            }
+        };
+        match crate::posts::wal_position(&self.pool).await {
+            Ok(wal) if announced <= wal => announced,
+            Ok(wal) => {
+                tracing::warn!(
+                    announced,
+                    wal,
+                    "the change stream is past the server's WAL (a restored database?): starting at the slot's position"
+                );
+                0
+            }
+            Err(_) => 0,
+        }
+    }
+
     /// Makes the slot, unless another instance made it first.
     async fn make_slot(&self) -> anyhow::Result<()> {
         let made = sqlx::query(
@@ -279,9 +327,11 @@ impl Candidate {
         Ok(())
     }
 
-    /// Holds the slot and decodes until the session ends (an error).
-    async fn hold(&self) -> anyhow::Result<()> {
-        let config = replication_config(&self.database.database_url, &self.slot)?;
+    /// Holds the slot and decodes until the session ends (an error);
+    /// `decoded` says whether it held it.
+    async fn hold(&self, decoded: &mut bool) -> anyhow::Result<()> {
+        let config = replication_config(&self.database.database_url, &self.slot)?
+            .with_start_lsn(pgwire_replication::Lsn(self.resume_at().await));
         let mut client = ReplicationClient::connect(config).await?;
         let limit = self.database.db_acquire_timeout + self.database.db_statement_timeout;
         match tokio::time::timeout(limit, client.wait_started()).await {
@@ -293,6 +343,7 @@ impl Candidate {
             "holding the replication slot: this instance decodes the fleet's changes"
         );
         metrics::decoder_held(true);
+        *decoded = true;
         let _held = scopeguard(|| metrics::decoder_held(false));
         // Before any change is applied: the raise covers what the slot
         // does not have, and the changes it has are applied after it.

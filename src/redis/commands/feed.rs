@@ -41,6 +41,21 @@ impl RedisCommands {
         .await
     }
 
+    /// The last `count` entries of the stream at `key`, newest first: each
+    /// its fields. Not through the breaker, as the stream.
+    pub async fn stream_tail(
+        &self,
+        key: &str,
+        count: u64,
+    ) -> Result<Vec<std::collections::HashMap<String, String>>, RedisError> {
+        self.unrefused(key, |c| async move {
+            let tail: Vec<(String, std::collections::HashMap<String, String>)> =
+                c.xrevrange(key, "+", "-", Some(count)).await?;
+            Ok(tail.into_iter().map(|(_, fields)| fields).collect())
+        })
+        .await
+    }
+
     /// The change feed's gap marker at `key` (see `Keys::feed_gap`): sets it
     /// to `why` unless it is set already (the first reason stays). Not
     /// through the breaker, as the stream.
