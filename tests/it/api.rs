@@ -140,6 +140,8 @@ async fn an_undecodable_entry_is_a_miss_and_gets_replaced() {
     // Each round's garbage is met by a GET in Redis: no memory tier before it.
     let app = env.spawn(&["--l1-max-bytes", "0"]).await;
     let key = env.keys.value(2);
+    let counted = r#"postcache_garbage_total{kind="entry"}"#;
+    let before = app.http.metric(counted).await;
     for garbage in [
         &b"not an entry"[..],
         b"",
@@ -156,6 +158,13 @@ async fn an_undecodable_entry_is_a_miss_and_gets_replaced() {
         assert_eq!(stored.status(), Status::Found);
         assert_eq!(stored.body(), reply.body);
     }
+    // Each is met twice: by the first look and by the claim's read of the
+    // value (a leader that just finished is served without a load).
+    assert_eq!(
+        app.http.metric(counted).await - before,
+        6.0,
+        "each undecodable entry counted where it was met"
+    );
 }
 
 #[tokio::test]

@@ -543,3 +543,83 @@ async fn a_lock_attempt_that_timed_out_leaves_no_lock_behind() {
     assert!(took < Duration::from_secs(1), "answered after {took:?}");
     assert_eq!(env.pttl(&env.keys.lock(3)).await, -2, "no lock left");
 }
+
+/// A leader's finish is never refused by its instance's open breaker:
+/// between its load and its finish, that instance's Redis connections
+/// stall long enough for its breaker to open, then answer again; the
+/// finish goes through at once (no probe, no cooldown), so the waiter on
+/// another instance is answered within milliseconds, and the post is
+/// stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_finish_is_never_refused_by_an_open_breaker() {
+    use std::sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    };
+
+    use postcache::flight::Hooks;
+    use tokio::sync::Semaphore;
+
+    let redis = RedisServer::start().await;
+    let env = TestEnv::with_redis(10, redis.url()).await;
+    let proxy = TcpProxy::start(([127, 0, 0, 1], redis.port).into()).await;
+    let (held, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(Semaphore::new(0)),
+    );
+    let hooks = Hooks {
+        after_load: Some(Arc::new({
+            let (held, release) = (held.clone(), release.clone());
+            move |_key: String| {
+                let (held, release) = (held.clone(), release.clone());
+                Box::pin(async move {
+                    if !held.swap(true, Ordering::SeqCst) {
+                        release.acquire().await.unwrap().forget();
+                    }
+                })
+            }
+        })),
+        ..Hooks::default()
+    };
+    let through_proxy = format!("redis://{}", proxy.addr);
+    let leader_flags = [
+        PATIENT,
+        &["--redis-url", &through_proxy, "--redis-timeout", "200ms"],
+    ]
+    .concat();
+    let leader = env.spawn_with_hooks(&leader_flags, hooks).await;
+    let other = env.spawn(PATIENT).await;
+
+    let leading = leader.http.spawn_get("/posts/7");
+    wait_until("the leader to have read the row", A_WHILE, async || {
+        held.load(Ordering::SeqCst)
+    })
+    .await;
+    let waiting = other.http.spawn_get("/posts/7");
+    env.until_subscribed(7).await;
+    // The leader's instance loses Redis until its breaker opens.
+    proxy.stall(true);
+    let breaker = "postcache_redis_breaker_state";
+    for id in 1..=4 {
+        assert_eq!(
+            leader.get(&format!("/posts/{id}")).await.x_cache.as_deref(),
+            Some("bypass")
+        );
+    }
+    let open = leader.http.metric(breaker).await;
+    proxy.stall(false);
+    release.add_permits(1);
+    let released = Instant::now();
+    let (waited, answered_at) = waiting.await.unwrap();
+    let (led, _) = leading.await.unwrap();
+
+    assert_eq!(open, 1.0, "the breaker was open at the finish");
+    assert_eq!(led.status, 200);
+    assert_eq!(waited.status, 200, "{}", waited.text());
+    let took = answered_at - released;
+    assert!(
+        took < Duration::from_millis(300),
+        "the waiter was answered {took:?} after the finish could run"
+    );
+    assert!(env.stored(7).await.is_some(), "the finish stored the post");
+}

@@ -206,6 +206,155 @@ async fn postgres_over_tls_with_sslmode_require() {
     assert!(on_tls >= 1, "the service's connection is not encrypted");
 }
 
+/// The server's certificate, when it names itself as its issuer (so that it
+/// can be its own root) and names `localhost`; `None` otherwise.
+async fn self_signed_server_cert(env: &TestEnv) -> Option<String> {
+    let path: String = sqlx::query_scalar("show ssl_cert_file")
+        .fetch_one(&env.admin)
+        .await
+        .ok()?;
+    let out = std::process::Command::new("openssl")
+        .args([
+            "x509",
+            "-noout",
+            "-subject",
+            "-issuer",
+            "-ext",
+            "subjectAltName",
+            "-in",
+        ])
+        .arg(&path)
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim_start_matches(['=', ' ']).to_owned())
+    };
+    let self_signed = field("subject").is_some() && field("subject") == field("issuer");
+    (out.status.success() && self_signed && text.contains("DNS:localhost")).then_some(path)
+}
+
+/// `sslmode=verify-full` with `sslrootcert`: the service trusts the server
+/// only through the root it is given, and checks the name it connects to.
+/// With another root, it refuses to start, naming the certificate.
+#[tokio::test]
+async fn postgres_over_tls_with_verify_full_and_a_root_certificate() {
+    let env = TestEnv::new(3).await;
+    let ssl: String = sqlx::query_scalar("show ssl")
+        .fetch_one(&env.admin)
+        .await
+        .unwrap();
+    if !available("PostgreSQL with ssl on", ssl == "on") {
+        return;
+    }
+    let root = self_signed_server_cert(&env).await;
+    if !available(
+        "a self-signed server certificate naming localhost",
+        root.is_some(),
+    ) {
+        return;
+    }
+    let root = root.expect("available");
+    let port = postcache::testkit::postgres_port();
+    let url = |root: &str| {
+        format!(
+            "postgres://postgres@localhost:{port}/{}?sslmode=verify-full&sslrootcert={root}",
+            env.db_name
+        )
+    };
+    let app = env.spawn(&["--database-url", &url(&root)]).await;
+    assert_eq!(app.get("/posts/2").await.status, 200);
+    let on_tls: i64 = sqlx::query_scalar(
+        "select count(*) from pg_stat_ssl s join pg_stat_activity a using (pid)
+         where s.ssl and a.application_name = 'postcache' and a.datname = current_database()",
+    )
+    .fetch_one(&env.admin)
+    .await
+    .unwrap();
+    assert!(on_tls >= 1, "the service's connection is not encrypted");
+
+    // Another root: a CA of its own, which signed nothing the server has.
+    let dir = std::env::temp_dir().join(format!("postcache-other-ca-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let made = std::process::Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args([
+            "-subj",
+            "/CN=another CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "openssl failed");
+    let other = dir.join("ca.pem").to_string_lossy().into_owned();
+    // Its migrations at start reach PostgreSQL first: refused there.
+    let refused = ServiceProcess::refused(
+        &[
+            ("DATABASE_URL", url(&other)),
+            ("REDIS_URL", env.redis_url.clone()),
+            ("KEY_PREFIX", env.prefix.clone()),
+        ],
+        Duration::from_secs(30),
+    )
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    let (status, output) = refused.expect("the service refused to start");
+    assert!(!status.success(), "{output}");
+    assert!(
+        output.to_lowercase().contains("certificate"),
+        "the refusal names the certificate: {output}"
+    );
+}
+
+/// SIGTERM while a background refresh (stale-while-revalidate) is loading:
+/// the process waits for it, so the refreshed post is stored before it
+/// exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_drains_a_background_refresh() {
+    let env = TestEnv::new(10).await;
+    let mut service = env
+        .start_process(&[
+            ("CHANGE_FEED", "off".to_owned()),
+            ("CACHE_TTL", "1s".to_owned()),
+            ("TTL_JITTER", "0".to_owned()),
+            ("STALE_WHILE_REVALIDATE", "60s".to_owned()),
+            ("DB_STATEMENT_TIMEOUT", "20s".to_owned()),
+            ("LOCK_TTL", "25s".to_owned()),
+        ])
+        .await;
+    assert_eq!(service.http.get("/posts/4").await.status, 200);
+    env.retitle(4, "refreshed").await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let lock = TableLock::take(&env).await;
+
+    let stale = service.http.get("/posts/4").await;
+    wait_until("the refresh to block", A_WHILE, async || {
+        blocked_loads(&env).await >= 1
+    })
+    .await;
+    service.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    lock.release().await;
+    let exited = service.exits_within(Duration::from_secs(15)).await;
+
+    assert_eq!(stale.x_cache.as_deref(), Some("stale"));
+    assert!(exited, "the process did not exit");
+    let stored = env.stored(4).await.expect("an entry stored");
+    let post: serde_json::Value = serde_json::from_slice(&stored.body()).unwrap();
+    assert_eq!(
+        post["title"], "refreshed",
+        "the refresh landed before the exit"
+    );
+}
+
 #[tokio::test]
 async fn redis_over_tls_with_a_rediss_url() {
     let redis = RedisServer::start_tls().await;
