@@ -224,6 +224,11 @@ impl Reader {
                     // an outage no more than that of staleness, as a stalled
                     // decoder does. (A read whose connection dropped fails at
                     // once: it is never sent again on the next connection.)
+                    // Redis may come back without its fences: loads read
+                    // the primary from now (see `follow`).
+                    if *self.connected.borrow() {
+                        self.read_path.all_changed(Since::PRIMARY, u64::MAX);
+                    }
                     last = None;
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(RETRY_MAX);
@@ -264,6 +269,17 @@ impl Reader {
             self.beats.forget();
             // What the memory tier took in while the stream was not read.
             self.read_path.forget_all();
+            if *self.connected.borrow() {
+                // Read again after a failure: Redis may have lost its
+                // fences with everything else (restarted empty, a failover
+                // to a replica that had not them all). A key changed within
+                // the fence's lifetime and loaded from a read replica that
+                // has not replayed the change would be stored with nothing
+                // to refuse it (`load/coherence` measured 20 s stale reads),
+                // so from the failure until the fence's lifetime after this,
+                // loads read the primary.
+                self.read_path.all_changed(Since::PRIMARY, u64::MAX);
+            }
         }
         loop {
             let after = last.clone().expect("set above");
