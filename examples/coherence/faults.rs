@@ -341,7 +341,27 @@ async fn inject(
                     .execute(&admin)
                     .await;
                 if dropped.is_ok() {
-                    break "dropped".into();
+                    // Healed once the fleet holds a slot again (the canary
+                    // alone may pass before any instance noticed).
+                    let held = Instant::now();
+                    while held.elapsed() < HEAL_LIMIT {
+                        let active: Option<bool> = sqlx::query_scalar(
+                            "select active from pg_replication_slots where slot_name = $1",
+                        )
+                        .bind(&slot)
+                        .fetch_optional(&admin)
+                        .await
+                        .ok()
+                        .flatten();
+                        if active == Some(true) {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    break format!(
+                        "dropped; held again after {:.1} s",
+                        held.elapsed().as_secs_f64()
+                    );
                 }
                 if started.elapsed() > Duration::from_secs(10) {
                     break "could not be dropped within 10 s".into();

@@ -148,6 +148,11 @@ impl Candidate {
             let result = self.hold(&mut decoded).await;
             if decoded {
                 held = Some(Instant::now());
+                // A session that held the slot starts the pauses anew: a
+                // loss after a long run is not a repeated failure (the
+                // pauses had grown to their 3 s bound over a run's losses,
+                // and each cost that much staleness).
+                backoff = RETRY_FIRST;
             }
             let error = match result {
                 Ok(()) => {
