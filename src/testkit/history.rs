@@ -555,10 +555,11 @@ pub fn explain(
             ms(v.committed)
         );
     }
-    let same: Vec<&Read> = reads
+    let mut same: Vec<&Read> = reads
         .iter()
         .filter(|o| o.post == read.post && o.instance == read.instance)
         .collect();
+    same.sort_by_key(|o| o.began);
     let at = same
         .iter()
         .position(|o| std::ptr::eq(*o, read))
