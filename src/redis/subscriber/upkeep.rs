@@ -33,7 +33,13 @@ impl Subscriber {
         let mine = self.register(channel);
         let mut subscribed = mine.slot.server_state.lock().await;
         let listening = self.refs_of(channel, &mine.slot) > 1;
-        let done = if listening {
+        let done = if listening && *subscribed {
+            // Confirmed under this lock since the channel was marked: a
+            // SUBSCRIBE in progress when this round took the set. Every
+            // failure leaves the state false, so there is nothing to repair,
+            // and a re-check would cost each listener an election.
+            true
+        } else if listening {
             let done = self.subscribe_confirmed(channel).await;
             if done {
                 if !*subscribed {
@@ -118,5 +124,62 @@ pub(super) async fn resubscribe_on_reconnect(
             Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => owner.resubscribe().await,
             Err(broadcast::error::RecvError::Closed) => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use fred::{prelude::*, types::config::Config};
+
+    use super::super::{Notice, Subscriber};
+
+    async fn subscriber() -> std::sync::Arc<Subscriber> {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = Builder::from_config(Config::from_url(&url).unwrap())
+            .build_subscriber_client()
+            .unwrap();
+        client.init().await.expect("the tests' Redis is up");
+        Subscriber::start(client, Duration::from_secs(2))
+    }
+
+    /// The round that reconciles uncertain channels can take a channel
+    /// whose SUBSCRIBE is still in progress, and get its lock once that
+    /// SUBSCRIBE is confirmed. It must leave the listener alone: a re-check
+    /// would send the flight back to an election the leader still holds.
+    #[tokio::test]
+    async fn a_round_that_met_a_subscribe_in_progress_leaves_its_listener_alone() {
+        let owner = subscriber().await;
+        let channel = format!("postcache:upkeep:{:016x}:ready", rand::random::<u64>());
+        let mut listener = owner.subscribe(&channel).await.unwrap();
+        // What the round finds: marked while the SUBSCRIBE ran, confirmed since.
+        owner.set_uncertain(&channel, true);
+        assert!(owner.reconcile(&channel).await);
+
+        let publisher = Client::new(owner.client().client_config(), None, None, None);
+        publisher.init().await.unwrap();
+        let _: i64 = publisher.publish(&channel, "done").await.unwrap();
+        let notice = tokio::time::timeout(Duration::from_secs(2), listener.recv()).await;
+        match notice {
+            Ok(Notice::Message(payload)) => assert_eq!(payload.as_ref(), b"done"),
+            other => panic!("expected the message first, got {other:?}"),
+        }
+    }
+
+    /// A channel the server lost (a re-subscription failed after a
+    /// reconnect) is subscribed again, and its listeners re-check.
+    #[tokio::test]
+    async fn a_round_subscribes_a_lost_channel_again_and_has_its_listeners_recheck() {
+        let owner = subscriber().await;
+        let channel = format!("postcache:upkeep:{:016x}:ready", rand::random::<u64>());
+        let mut listener = owner.subscribe(&channel).await.unwrap();
+        let slot = owner.lock_slots().get(&channel).unwrap().slot.clone();
+        *slot.server_state.lock().await = false;
+        owner.set_uncertain(&channel, true);
+        assert!(owner.reconcile(&channel).await);
+        let notice = tokio::time::timeout(Duration::from_secs(2), listener.recv()).await;
+        assert!(matches!(notice, Ok(Notice::Recheck)), "{notice:?}");
+        assert!(*slot.server_state.lock().await);
     }
 }
