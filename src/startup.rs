@@ -48,6 +48,8 @@ pub struct Application {
     /// The Redis connections' upkeep (scripts, cluster topology) while the
     /// service runs.
     _upkeep: Option<AbortOnDropHandle<()>>,
+    /// The metrics exporter's upkeep (see `telemetry::metrics::upkeep`).
+    _metrics_upkeep: AbortOnDropHandle<()>,
     /// Builds the existence guard whenever it stands aside and the change
     /// feed is up.
     _guard: AbortOnDropHandle<()>,
@@ -127,6 +129,8 @@ impl Application {
             settings,
         );
         let metrics = telemetry::metrics::install();
+        let metrics_upkeep =
+            AbortOnDropHandle::new(tokio::spawn(telemetry::metrics::upkeep(metrics.clone())));
         let feed = Feed::start(
             args.change_feed,
             &args.database,
@@ -190,6 +194,7 @@ impl Application {
             nodes,
             feed,
             _upkeep: upkeep,
+            _metrics_upkeep: metrics_upkeep,
             _guard: guard,
             replicas,
             _replicas: replicas_task,

@@ -361,7 +361,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/plain; version=0.0.4"),
         )],
-        state.metrics.render(),
+        metrics::render(&state.metrics),
     )
         .into_response()
 }

@@ -12,6 +12,7 @@ use ::metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 mod names;
+mod requests;
 
 use names::describe;
 pub use names::*;
@@ -36,19 +37,9 @@ pub fn install() -> PrometheusHandle {
             // this handle renders nothing, which is better than failing.
             let _ = ::metrics::set_global_recorder(recorder);
             describe();
-            let _ = REQUEST_SERIES.set(request_series());
             handle
         })
         .clone()
-}
-
-/// The request series of one (outcome, tier), registered once: a hit then
-/// costs no registry lookup.
-struct RequestSeries {
-    outcome: &'static str,
-    tier: &'static str,
-    count: ::metrics::Counter,
-    duration: ::metrics::Histogram,
 }
 
 /// Every (outcome, tier) a request can end with (see `http/served.rs`).
@@ -67,36 +58,33 @@ pub(crate) const REQUEST_LABELS: &[(&str, &str)] = &[
     ("error", "none"),
 ];
 
-static REQUEST_SERIES: OnceLock<Vec<RequestSeries>> = OnceLock::new();
-
-fn request_series() -> Vec<RequestSeries> {
-    REQUEST_LABELS
-        .iter()
-        .map(|&(outcome, tier)| RequestSeries {
-            outcome,
-            tier,
-            count: counter!(REQUESTS, "outcome" => outcome, "tier" => tier),
-            duration: histogram!(REQUEST_DURATION, "outcome" => outcome, "tier" => tier),
-        })
-        .collect()
+/// One answered `GET /posts/{id}`: counted by this thread alone (see
+/// `requests.rs`), so that a hit writes nothing another core reads or writes.
+pub fn request(outcome: &'static str, tier: &'static str, took: Duration) {
+    requests::record(outcome, tier, took);
 }
 
-/// One answered `GET /posts/{id}`.
-pub fn request(outcome: &'static str, tier: &'static str, took: Duration) {
-    let registered = REQUEST_SERIES
-        .get()
-        .and_then(|all| all.iter().find(|s| s.outcome == outcome && s.tier == tier));
-    match registered {
-        Some(series) => {
-            series.count.increment(1);
-            series.duration.record(took.as_secs_f64());
-        }
-        // Before `install`, or a pair not listed.
-        None => {
-            counter!(REQUESTS, "outcome" => outcome, "tier" => tier).increment(1);
-            histogram!(REQUEST_DURATION, "outcome" => outcome, "tier" => tier)
-                .record(took.as_secs_f64());
-        }
+/// The exposition: what the exporter holds, then the request series.
+pub fn render(handle: &PrometheusHandle) -> String {
+    let mut text = handle.render();
+    requests::render(&mut text);
+    text
+}
+
+/// How often the exporter's histograms fold their samples into buckets.
+const UPKEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// Folds the exporter's histogram samples into their buckets every
+/// UPKEEP_EVERY, for as long as it runs. The exporter keeps each sample
+/// until an upkeep or a scrape: an instance nobody scraped grew by every
+/// sample it recorded (measured: 57 MB in 20 s of hits, when each request
+/// still recorded one there).
+pub async fn upkeep(handle: PrometheusHandle) {
+    let mut every = tokio::time::interval(UPKEEP_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        handle.run_upkeep();
     }
 }
 

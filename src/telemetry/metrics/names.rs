@@ -169,12 +169,7 @@ pub const ALL: &[&str] = &[
 
 pub(super) fn describe() {
     use ::metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
-    describe_counter!(REQUESTS, "Requests of GET /posts/{id} by outcome.");
-    describe_histogram!(
-        REQUEST_DURATION,
-        Unit::Seconds,
-        "Latency of GET /posts/{id} by outcome."
-    );
+    // REQUESTS and REQUEST_DURATION: rendered by `requests.rs`.
     describe_counter!(HTTP_ERRORS, "HTTP error responses by status code.");
     describe_counter!(DB_LOADS, "Loads from PostgreSQL by result.");
     describe_histogram!(
