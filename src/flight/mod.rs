@@ -359,12 +359,12 @@ impl<S: Source> ReadPath<S> {
     /// A fresh answer from the memory tier, without awaiting anything: the
     /// HTTP layer answers it before routing. `None` for anything else (the
     /// full read then runs as usual).
-    pub fn memory_hit(self: &Arc<Self>, key: &S::Key) -> Option<Answer> {
+    pub fn memory_hit(self: &Arc<Self>, key: &S::Key, now: u64) -> Option<Answer> {
         // Off (0 bytes) for the strategies that bypass it.
         if !self.memory.is_on() {
             return None;
         }
-        self.from_memory(key, now_millis())?.ok()
+        self.from_memory(key, now)?.ok()
     }
 
     /// A fresh entry of the memory tier (an early refresh started as for a

@@ -87,9 +87,11 @@ impl IfNoneMatch {
 pub fn memory_hit<B>(state: &AppState, request: &Request<B>) -> Option<Response> {
     let id = post_read(request)?;
     let started = Instant::now();
-    let answer = state.read_path.memory_hit(&id.get())?;
+    // One reading of the clock for the tier's judgement and the headers.
+    let now = now_millis();
+    let answer = state.read_path.memory_hit(&id.get(), now)?;
     let validators = IfNoneMatch::from_headers(request.headers());
-    Some(counted(state, &answer, &validators, started))
+    Some(counted(state, &answer, &validators, started, now))
 }
 
 /// The post id of a `GET /posts/{digits}`, read past the router (see
@@ -148,20 +150,22 @@ pub async fn read_post(state: &AppState, id: PostId, validators: IfNoneMatch) ->
             return ApiError::from(e).into_response();
         }
     };
-    counted(state, &answer, &validators, started)
+    counted(state, &answer, &validators, started, now_millis())
 }
 
-/// The response to an answer, counted in the request metrics (and its span).
+/// The response to an answer at `now` (unix ms), counted in the request
+/// metrics (and its span).
 fn counted(
     state: &AppState,
     answer: &Answer,
     validators: &IfNoneMatch,
     started: Instant,
+    now: u64,
 ) -> Response {
     let label = served::label(answer.served, answer.entry().status());
     tracing::Span::current().record("outcome", label);
     metrics::request(label, served::tier_label(answer.served), started.elapsed());
-    respond(answer, validators, &state.caching)
+    respond(answer, validators, &state.caching, now)
 }
 
 /// The response for an entry: body or 404, with the HTTP caching headers
@@ -170,9 +174,9 @@ pub(super) fn respond(
     answer: &Answer,
     validators: &IfNoneMatch,
     caching: &CachingHeaders,
+    now: u64,
 ) -> Response {
     let entry = answer.entry();
-    let now = now_millis();
     let found = entry.status() == Status::Found;
     // An answer is found or not found, never a failure (`Answer::new`).
     let mut response = if !found {
@@ -204,8 +208,8 @@ pub(super) fn respond(
     let age = now.saturating_sub(entry.stored_at()) / 1000;
     headers.insert(header::CACHE_CONTROL, caching.cache_control(max_age));
     headers.insert(header::AGE, caching.age(age));
-    if let Some(value) = found.then(|| etag(entry)).and_then(etag_value) {
-        headers.insert(header::ETAG, value);
+    if found {
+        headers.insert(header::ETAG, etag_header(entry));
     }
     if answer.served == Served::Stale {
         let warning = if entry.is_backoff() {
@@ -225,7 +229,24 @@ pub(super) fn etag_value(etag: String) -> Option<HeaderValue> {
 
 /// The strong validator of an entry's body, as the `ETag` header shows it.
 pub fn etag(entry: &Entry) -> String {
-    format!("\"{:016x}\"", entry.etag())
+    String::from_utf8_lossy(&quoted_hex(entry.etag())).into_owned()
+}
+
+/// [`etag`] as a header value, put together on the stack: every found
+/// answer carries one, and `format!` with its growing string was most of
+/// the allocator's work on a hit.
+fn etag_header(entry: &Entry) -> HeaderValue {
+    HeaderValue::from_bytes(&quoted_hex(entry.etag())).expect("quotes and hex digits")
+}
+
+/// `"` + 16 lower-case hex digits + `"`.
+fn quoted_hex(n: u64) -> [u8; 18] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [b'"'; 18];
+    for (i, digit) in out[1..17].iter_mut().enumerate() {
+        *digit = HEX[((n >> (60 - 4 * i)) & 0xf) as usize];
+    }
+    out
 }
 
 /// Whether `If-None-Match` names this entry (weak comparison, RFC 9110 13.1.2).
@@ -372,4 +393,26 @@ pub async fn not_found() -> ApiError {
 
 pub async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_etag_is_the_quoted_hex_of_the_entry_s_validator() {
+        for n in [0, 1, 0xf, 0x0123_4567_89ab_cdef, u64::MAX, 1 << 63] {
+            let expected = format!("\"{n:016x}\"");
+            assert_eq!(quoted_hex(n).as_slice(), expected.as_bytes());
+        }
+        let entry = Entry::new(
+            Status::Found,
+            br#"{"id":1}"#,
+            std::time::Duration::from_secs(60),
+            std::time::Duration::ZERO,
+        );
+        let expected = format!("\"{:016x}\"", entry.etag());
+        assert_eq!(etag(&entry), expected);
+        assert_eq!(etag_header(&entry), expected.as_str());
+    }
 }

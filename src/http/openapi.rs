@@ -309,7 +309,12 @@ mod tests {
                     let validators = handlers::IfNoneMatch::from_headers(&validators);
                     for grace in [Duration::ZERO, Duration::from_secs(30)] {
                         let caching = super::super::CachingHeaders::new(grace);
-                        let response = handlers::respond(&answer, &validators, &caching);
+                        let response = handlers::respond(
+                            &answer,
+                            &validators,
+                            &caching,
+                            crate::cache::now_millis(),
+                        );
                         let headers = documented(&doc, response.status());
                         for (name, value) in response.headers() {
                             if name == header::CONTENT_TYPE {
