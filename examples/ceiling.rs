@@ -45,7 +45,10 @@ async fn main() -> anyhow::Result<()> {
                     HeaderValue::from_static("public, max-age=59"),
                 );
                 headers.insert(header::AGE, HeaderValue::from_static("0"));
-                headers.insert(header::ETAG, HeaderValue::from_static("\"c63a3b31eb35be46\""));
+                headers.insert(
+                    header::ETAG,
+                    HeaderValue::from_static("\"c63a3b31eb35be46\""),
+                );
                 async move { Ok::<_, Infallible>(response) }
             });
             let _ = http1::Builder::new()
