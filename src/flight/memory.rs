@@ -15,6 +15,17 @@
 //!   stripe before it removes: a fill that sees the generation moved after
 //!   it inserted removes what it inserted.
 //!
+//! In front of the shared table, each thread keeps a few hot entries of its
+//! own ([`Front`]): a hit found there takes no lock and touches no reference
+//! count another core writes. A copy there is valid while its stripe's front
+//! generation is the one read before the copy was taken from the table.
+//! Every change to what the table holds for a key, once done, bumps it (an
+//! eviction, a clear, a fill, a fill undone), and so does an answer served
+//! from elsewhere that the table has no entry to compare with (a front may
+//! hold an older copy than it): a copy is never served after any of them.
+//! The fronts have generations of their own, so that a fill, which bumps
+//! them, refuses no other fill.
+//!
 //! Bounded by bytes (L1_MAX_BYTES): an entry weighs its envelope plus a fixed
 //! overhead, and the envelope is copied into an allocation of its own when
 //! kept, so that it never holds on to a larger buffer it was read into. An
@@ -24,7 +35,7 @@
 //! Zipf(1.1) key set a lookup took 170–400 ns against moka's 720–740 ns.
 
 use std::{
-    collections::hash_map::DefaultHasher,
+    cell::RefCell,
     hash::{Hash, Hasher},
     sync::atomic::{AtomicBool, AtomicU64, Ordering},
     time::Duration,
@@ -42,6 +53,15 @@ const SHARD_BYTES: u64 = 4 << 20;
 /// Generations kept for evictions: a fill is refused after an eviction of
 /// any item of its stripe (rarely another's: a refused fill is only a miss).
 const STRIPES: usize = 256;
+
+/// Entries in each thread's front (a power of two).
+const FRONT_SLOTS: usize = 64;
+/// The largest envelope copied into a front.
+const FRONT_MAX_BYTES: usize = 16 << 10;
+
+/// Tells the tiers of one process apart in the fronts (the tests run
+/// several instances in one process).
+static TIERS: AtomicU64 = AtomicU64::new(1);
 
 /// An entry kept, with the instant (unix milliseconds) it stops being served.
 #[derive(Clone)]
@@ -67,11 +87,15 @@ pub(super) struct Ticket {
 
 /// The memory tier of one process.
 pub(super) struct MemoryTier<K> {
+    /// This tier, in the fronts.
+    id: u64,
     /// `None`: off (L1_MAX_BYTES=0, or a strategy that bypasses it).
     cache: Option<Cache<K, Kept, ByBytes>>,
     /// L1_TTL.
     ttl: Duration,
     generations: Box<[AtomicU64]>,
+    /// The fronts' generations, per stripe (see the module docs).
+    front_generations: Box<[AtomicU64]>,
     /// Off while the change feed is down (see the module docs).
     serving: AtomicBool,
 }
@@ -93,9 +117,11 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
             Cache::with_options(options, ByBytes, Default::default(), Default::default())
         });
         Self {
+            id: TIERS.fetch_add(1, Ordering::Relaxed),
             cache,
             ttl,
             generations: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
+            front_generations: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
             serving: AtomicBool::new(true),
         }
     }
@@ -106,15 +132,30 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
 
     /// The entry kept for `key`, while it may be served at `now`; whether it
     /// is fresh is for the caller to judge (the cutoff may have moved).
-    pub fn get(&self, key: &K, now: u64) -> Option<Entry> {
+    /// `ordinal` names the key in this thread's front (`Source::ordinal`);
+    /// `None` keeps it out of the front.
+    pub fn get(&self, key: &K, ordinal: Option<u64>, now: u64) -> Option<Entry> {
         let cache = self.cache.as_ref()?;
         if !self.serving.load(Ordering::Relaxed) {
             return None;
+        }
+        // Read before the table: a change after this read bumps it.
+        let generation = self.front_generations[stripe(key)].load(Ordering::SeqCst);
+        let front = ordinal.map(|ordinal| Front {
+            tier: self.id,
+            ordinal,
+            generation,
+        });
+        if let Some(entry) = front.as_ref().and_then(|front| front.get(now)) {
+            return Some(entry);
         }
         let kept = cache.get(key)?;
         if now >= kept.until {
             cache.remove(key);
             return None;
+        }
+        if let Some(front) = front {
+            front.offer(&kept);
         }
         Some(kept.entry)
     }
@@ -166,6 +207,9 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
         if generation.load(Ordering::SeqCst) != ticket.generation {
             cache.remove(key);
         }
+        // The fronts let go of what they copied before: the entry this one
+        // replaced, or an older one the table had already dropped.
+        self.front_generations[ticket.stripe].fetch_add(1, Ordering::SeqCst);
     }
 
     /// `entry` was served for `key` from elsewhere (Redis, a load, a
@@ -176,29 +220,38 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
         let Some(cache) = &self.cache else {
             return;
         };
-        if cache
-            .peek(key)
-            .is_some_and(|kept| kept.entry.stored_at() < entry.stored_at())
-        {
-            self.evict(key);
+        match cache.peek(key) {
+            Some(kept) if kept.entry.stored_at() < entry.stored_at() => self.evict(key),
+            Some(_) => {}
+            // A front may still hold a copy the table has dropped (for room).
+            None => {
+                self.front_generations[stripe(key)].fetch_add(1, Ordering::SeqCst);
+            }
         }
     }
 
-    /// Forgets `key`, and refuses the fills of it begun before now.
+    /// Forgets `key`, and refuses the fills of it begun before now (the
+    /// fills' generation is bumped before the removal, the fronts' after it).
     pub fn evict(&self, key: &K) {
-        self.generations[stripe(key)].fetch_add(1, Ordering::SeqCst);
+        let stripe = stripe(key);
+        self.generations[stripe].fetch_add(1, Ordering::SeqCst);
         if let Some(cache) = &self.cache {
             cache.remove(key);
         }
+        self.front_generations[stripe].fetch_add(1, Ordering::SeqCst);
     }
 
-    /// Forgets everything, and refuses every fill begun before now.
+    /// Forgets everything, and refuses every fill begun before now (the
+    /// generations bumped as [`MemoryTier::evict`] bumps them).
     pub fn clear(&self) {
         for generation in self.generations.iter() {
             generation.fetch_add(1, Ordering::SeqCst);
         }
         if let Some(cache) = &self.cache {
             cache.clear();
+        }
+        for generation in self.front_generations.iter() {
+            generation.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -233,9 +286,136 @@ fn shards(max_bytes: u64) -> usize {
 }
 
 fn stripe<K: Hash>(key: &K) -> usize {
-    let mut hasher = DefaultHasher::new();
+    let mut hasher = StripeHasher(0);
     key.hash(&mut hasher);
-    (hasher.finish() as usize) % STRIPES
+    (hasher.finish() >> 32) as usize % STRIPES
+}
+
+/// A multiply-rotate hash (the Fx hash of rustc) for the stripes: every hit
+/// hashes its key once, and SipHash's resistance to chosen keys buys
+/// nothing here (a stripe shared by many keys only refuses more fills).
+struct StripeHasher(u64);
+
+impl Hasher for StripeHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn write_i64(&mut self, n: i64) {
+        self.write_u64(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Every this many hits of a copy, one goes to the table instead: the
+/// table's CLOCK-Pro keeps what is looked up, and an entry hot in the
+/// fronts must not look cold to it.
+const FRONT_TOUCH_EVERY: u32 = 32;
+
+/// One thread's copy of a kept entry, in an allocation of its own.
+struct Copied {
+    tier: u64,
+    ordinal: u64,
+    generation: u64,
+    until: u64,
+    entry: Entry,
+    /// Hits since the table last saw this key from this thread.
+    hits: u32,
+}
+
+/// A slot of a thread's front: the copy it holds, and the key that last
+/// missed it. A key is copied in on its second miss in a row at the slot,
+/// so that keys that take turns at a slot (a working set larger than the
+/// front) cost a write of a number, not a copy each.
+#[derive(Default)]
+struct FrontSlot {
+    copied: Option<Copied>,
+    candidate: Option<(u64, u64)>,
+}
+
+thread_local! {
+    static FRONT: RefCell<Box<[FrontSlot]>> =
+        RefCell::new((0..FRONT_SLOTS).map(|_| FrontSlot::default()).collect());
+}
+
+/// A look at this thread's front for one key of one tier, at the stripe
+/// generation read before the table.
+struct Front {
+    tier: u64,
+    ordinal: u64,
+    generation: u64,
+}
+
+impl Front {
+    fn slot(&self) -> usize {
+        let mixed = (self.ordinal ^ self.tier.rotate_left(32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        (mixed >> 32) as usize % FRONT_SLOTS
+    }
+
+    /// The copy of this key, while its generation holds and L1_TTL has not
+    /// run out (`None` one hit in FRONT_TOUCH_EVERY, for the table).
+    fn get(&self, now: u64) -> Option<Entry> {
+        FRONT
+            .try_with(|front| {
+                let mut front = front.borrow_mut();
+                let copied = front[self.slot()].copied.as_mut()?;
+                let valid = copied.tier == self.tier
+                    && copied.ordinal == self.ordinal
+                    && copied.generation == self.generation
+                    && now < copied.until;
+                if !valid {
+                    return None;
+                }
+                copied.hits += 1;
+                if copied.hits >= FRONT_TOUCH_EVERY {
+                    copied.hits = 0;
+                    return None;
+                }
+                Some(copied.entry.clone())
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// Copies `kept` in on this key's second miss in a row at its slot.
+    fn offer(self, kept: &Kept) {
+        if kept.entry.raw().len() > FRONT_MAX_BYTES {
+            return;
+        }
+        let _ = FRONT.try_with(|front| {
+            let mut front = front.borrow_mut();
+            let slot = &mut front[self.slot()];
+            let key = (self.tier, self.ordinal);
+            let mine = slot.copied.as_ref().filter(|c| (c.tier, c.ordinal) == key);
+            // Still valid: the table was only touched (FRONT_TOUCH_EVERY).
+            if mine.is_some_and(|c| c.generation == self.generation && c.until == kept.until) {
+                return;
+            }
+            if mine.is_none() && slot.candidate != Some(key) {
+                slot.candidate = Some(key);
+                return;
+            }
+            slot.copied = Some(Copied {
+                tier: self.tier,
+                ordinal: self.ordinal,
+                generation: self.generation,
+                until: kept.until,
+                entry: kept.entry.detached(),
+                hits: 0,
+            });
+        });
+    }
 }
 
 #[cfg(test)]
@@ -247,6 +427,118 @@ mod tests {
         Entry::new(Status::Found, body, fresh_for, Duration::ZERO)
     }
 
+    impl MemoryTier<i32> {
+        /// A lookup as the read path makes it (the key its own ordinal).
+        fn get_now(&self, key: &i32, now: u64) -> Option<Entry> {
+            self.get(key, u64::try_from(*key).ok(), now)
+        }
+    }
+
+    /// Looked up often enough to be copied into this thread's front, then
+    /// changed in every way the tier lets go of an entry: the front never
+    /// serves the copy after the table has let go of it.
+    #[test]
+    fn the_front_never_serves_what_the_table_let_go_of() {
+        let tier = MemoryTier::new(1 << 20, Duration::from_secs(10));
+        let now = now_millis();
+        let hot = |tier: &MemoryTier<i32>, expected: &Entry| {
+            for _ in 0..4 {
+                assert_eq!(tier.get_now(&5, now).as_ref(), Some(expected));
+            }
+        };
+        let v1 = Entry::stamped(Status::Found, b"v1", now - 3, now + 60_000, Duration::ZERO);
+        let v2 = Entry::stamped(Status::Found, b"v2", now - 2, now + 60_000, Duration::ZERO);
+        let v3 = Entry::stamped(Status::Found, b"v3", now - 1, now + 60_000, Duration::ZERO);
+
+        tier.fill(&5, &v1, &tier.ticket(&5), now);
+        hot(&tier, &v1);
+        tier.evict(&5);
+        assert_eq!(tier.get_now(&5, now), None, "evicted");
+
+        tier.fill(&5, &v1, &tier.ticket(&5), now);
+        hot(&tier, &v1);
+        tier.fill(&5, &v2, &tier.ticket(&5), now);
+        hot(&tier, &v2);
+        tier.supersede(&5, &v3);
+        assert_eq!(tier.get_now(&5, now), None, "superseded");
+
+        tier.fill(&5, &v3, &tier.ticket(&5), now);
+        hot(&tier, &v3);
+        tier.clear();
+        assert_eq!(tier.get_now(&5, now), None, "cleared");
+
+        tier.fill(&5, &v3, &tier.ticket(&5), now);
+        hot(&tier, &v3);
+        tier.serve(false);
+        assert_eq!(tier.get_now(&5, now), None, "not serving");
+        tier.serve(true);
+        assert_eq!(tier.get_now(&5, now), None, "emptied when it stopped");
+
+        // A copy made between an eviction's bump of the fills' generation
+        // and its removal (what the fronts' own bump after it is for).
+        tier.fill(&5, &v3, &tier.ticket(&5), now);
+        tier.generations[stripe(&5)].fetch_add(1, Ordering::SeqCst);
+        hot(&tier, &v3);
+        tier.evict(&5);
+        assert_eq!(tier.get_now(&5, now), None, "copied mid-eviction");
+
+        // Dropped from the table for room (no eviction), then a newer
+        // version served from elsewhere, or filled: never the older copy.
+        tier.fill(&5, &v2, &tier.ticket(&5), now);
+        hot(&tier, &v2);
+        tier.cache.as_ref().unwrap().remove(&5);
+        tier.supersede(&5, &v3);
+        assert_eq!(tier.get_now(&5, now), None, "served newer from elsewhere");
+        tier.fill(&5, &v2, &tier.ticket(&5), now);
+        hot(&tier, &v2);
+        tier.cache.as_ref().unwrap().remove(&5);
+        tier.fill(&5, &v3, &tier.ticket(&5), now);
+        assert_eq!(tier.get_now(&5, now), Some(v3.clone()), "filled newer");
+
+        // Past L1_TTL, the copy goes with the table's entry.
+        tier.fill(&5, &v3, &tier.ticket(&5), now);
+        hot(&tier, &v3);
+        assert_eq!(tier.get_now(&5, now + 10_000), None, "past L1_TTL");
+    }
+
+    /// Two tiers in one process (two instances in a test) never see each
+    /// other's copies, and a key without an ordinal stays out of the front.
+    #[test]
+    fn fronts_are_per_tier_and_per_key() {
+        let (a, b) = (
+            MemoryTier::new(1 << 20, Duration::from_secs(10)),
+            MemoryTier::new(1 << 20, Duration::from_secs(10)),
+        );
+        let now = now_millis();
+        let entry = found(b"a", Duration::from_secs(60));
+        a.fill(&9, &entry, &a.ticket(&9), now);
+        for _ in 0..4 {
+            assert_eq!(a.get_now(&9, now), Some(entry.clone()));
+            assert_eq!(b.get_now(&9, now), None);
+            assert_eq!(a.get(&9, None, now), Some(entry.clone()));
+        }
+        a.evict(&9);
+        assert_eq!(a.get(&9, None, now), None);
+        assert_eq!(a.get_now(&9, now), None);
+    }
+
+    #[test]
+    fn a_front_copy_is_its_own_allocation() {
+        let tier = MemoryTier::new(1 << 20, Duration::from_secs(10));
+        let now = now_millis();
+        tier.fill(
+            &3,
+            &found(b"body", Duration::from_secs(60)),
+            &tier.ticket(&3),
+            now,
+        );
+        let from_table = tier.get_now(&3, now).unwrap();
+        tier.get_now(&3, now);
+        let from_front = tier.get_now(&3, now).unwrap();
+        assert_eq!(from_front, from_table);
+        assert_ne!(from_front.raw().as_ptr(), from_table.raw().as_ptr());
+    }
+
     #[test]
     fn an_entry_is_served_until_its_freshness_or_the_ttl_ends() {
         let tier = MemoryTier::new(1 << 20, Duration::from_secs(10));
@@ -255,10 +547,10 @@ mod tests {
         let long = found(b"b", Duration::from_secs(60));
         tier.fill(&1, &short, &tier.ticket(&1), now);
         tier.fill(&2, &long, &tier.ticket(&2), now);
-        assert_eq!(tier.get(&1, now + 1_999), Some(short.clone()));
-        assert_eq!(tier.get(&1, now + 2_000), None, "past its freshness");
-        assert_eq!(tier.get(&2, now + 9_999), Some(long.clone()));
-        assert_eq!(tier.get(&2, now + 10_000), None, "past L1_TTL");
+        assert_eq!(tier.get_now(&1, now + 1_999), Some(short.clone()));
+        assert_eq!(tier.get_now(&1, now + 2_000), None, "past its freshness");
+        assert_eq!(tier.get_now(&2, now + 9_999), Some(long.clone()));
+        assert_eq!(tier.get_now(&2, now + 10_000), None, "past L1_TTL");
     }
 
     #[test]
@@ -270,7 +562,7 @@ mod tests {
         let stale = Entry::stamped(Status::Found, b"x", now - 10, now - 1, Duration::ZERO);
         for (key, entry) in [(1, failed), (2, backoff), (3, stale)] {
             tier.fill(&key, &entry, &tier.ticket(&key), now);
-            assert_eq!(tier.get(&key, now), None, "key {key}");
+            assert_eq!(tier.get_now(&key, now), None, "key {key}");
         }
         let missing = Entry::new(
             Status::NotFound,
@@ -280,7 +572,7 @@ mod tests {
         );
         tier.fill(&4, &missing, &tier.ticket(&4), now);
         assert_eq!(
-            tier.get(&4, now),
+            tier.get_now(&4, now),
             Some(missing),
             "negative entries are kept"
         );
@@ -294,13 +586,13 @@ mod tests {
         let ticket = tier.ticket(&7);
         tier.evict(&7);
         tier.fill(&7, &entry, &ticket, now);
-        assert_eq!(tier.get(&7, now), None);
+        assert_eq!(tier.get_now(&7, now), None);
         let ticket = tier.ticket(&7);
         tier.clear();
         tier.fill(&7, &entry, &ticket, now);
-        assert_eq!(tier.get(&7, now), None);
+        assert_eq!(tier.get_now(&7, now), None);
         tier.fill(&7, &entry, &tier.ticket(&7), now);
-        assert_eq!(tier.get(&7, now), Some(entry));
+        assert_eq!(tier.get_now(&7, now), Some(entry));
     }
 
     #[test]
@@ -310,11 +602,19 @@ mod tests {
         let entry = found(b"x", Duration::from_secs(60));
         tier.fill(&1, &entry, &tier.ticket(&1), now);
         tier.serve(false);
-        assert_eq!(tier.get(&1, now), None);
+        assert_eq!(tier.get_now(&1, now), None);
         tier.fill(&2, &entry, &tier.ticket(&2), now);
         tier.serve(true);
-        assert_eq!(tier.get(&1, now), None, "emptied when it stopped serving");
-        assert_eq!(tier.get(&2, now), None, "nothing kept while not serving");
+        assert_eq!(
+            tier.get_now(&1, now),
+            None,
+            "emptied when it stopped serving"
+        );
+        assert_eq!(
+            tier.get_now(&2, now),
+            None,
+            "nothing kept while not serving"
+        );
     }
 
     #[test]
@@ -352,7 +652,7 @@ mod tests {
         let now = now_millis();
         let entry = found(b"x", Duration::from_secs(60));
         tier.fill(&1, &entry, &tier.ticket(&1), now);
-        assert_eq!(tier.get(&1, now), None);
+        assert_eq!(tier.get_now(&1, now), None);
         assert!(!tier.is_serving());
     }
 }

@@ -370,7 +370,7 @@ impl<S: Source> ReadPath<S> {
     /// A fresh entry of the memory tier (an early refresh started as for a
     /// hit in Redis: the tier keeps no entry past its freshness).
     fn from_memory(self: &Arc<Self>, key: &S::Key, now: u64) -> Option<Result<Answer, ReadError>> {
-        let entry = self.memory.get(key, now)?;
+        let entry = self.memory.get(key, S::ordinal(key), now)?;
         match judge(Some(entry), now, Duration::ZERO, self.cutoff()) {
             Verdict::Fresh(entry) => {
                 self.maybe_refresh_early(key, &entry, now);
