@@ -474,8 +474,9 @@ mod tests {
         tier.serve(true);
         assert_eq!(tier.get_now(&5, now), None, "emptied when it stopped");
 
-        // A copy made between an eviction's bump of the fills' generation
-        // and its removal (what the fronts' own bump after it is for).
+        // The fills' generation moving alone (an eviction under way, before
+        // its removal) leaves the copy served; the eviction's own bump of
+        // the fronts' generation, after its removal, is what lets it go.
         tier.fill(&5, &v3, &tier.ticket(&5), now);
         tier.generations[stripe(&5)].fetch_add(1, Ordering::SeqCst);
         hot(&tier, &v3);
