@@ -6,7 +6,9 @@
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use postcache::testkit::{wait_until, RedisServer, ServiceProcess, TestApp, TestEnv, A_WHILE};
+use postcache::testkit::{
+    eventually, wait_until, RedisServer, ServiceProcess, TestApp, TestEnv, A_WHILE,
+};
 use sqlx::{Connection, PgConnection};
 
 async fn until_titled(http: &postcache::testkit::Http, id: i64, wanted: &str) {
@@ -84,13 +86,23 @@ async fn titled_within(
     within: Duration,
 ) {
     for id in ids {
-        wait_until(
-            &format!("post {id} to read {wanted:?}"),
-            within,
-            async || http.title(id).await.as_deref() == Some(wanted),
-        )
-        .await;
+        read_within(http, id, wanted, within).await;
     }
+}
+
+/// Waits at most `within` for post `id` on `http` to read `wanted`; a
+/// failure names what it read last.
+async fn read_within(http: &postcache::testkit::Http, id: i64, wanted: &str, within: Duration) {
+    let mut last = None;
+    let read = eventually(within, async || {
+        last = http.title(id).await;
+        last.as_deref() == Some(wanted)
+    })
+    .await;
+    assert!(
+        read,
+        "timed out after {within:?} waiting for post {id} to read {wanted:?}: it read {last:?}"
+    );
 }
 
 /// Waits at most `within` for every post 1..=n on `http` to read `wanted`.
@@ -101,12 +113,7 @@ async fn all_titled_within(
     within: Duration,
 ) {
     for id in 1..=n {
-        wait_until(
-            &format!("post {id} to read {wanted:?}"),
-            within,
-            async || http.title(id).await.as_deref() == Some(wanted),
-        )
-        .await;
+        read_within(http, id, wanted, within).await;
     }
 }
 
