@@ -5,20 +5,34 @@
 //!
 //! ```text
 //! offset  size  field
-//! 0       1     version (1)
+//! 0       1     version (2)
 //! 1       1     status: 0 found, 1 not found, 2 failed (messages and failure markers),
 //!               3 too large (a marker: the item is over MAX_ENTRY_BYTES, load it yourself)
-//! 2       1     flags: bit 0 BACKOFF, a stale copy re-served after a failed load
+//! 2       1     flags: bit 0 BACKOFF, a stale copy re-served after a failed load;
+//!               bit 1 INVALIDATED, a copy a change made untrustworthy
 //! 3       8     stored_at, unix milliseconds, big endian
 //! 11      8     fresh_until, unix milliseconds: the logical freshness deadline
 //! 19      4     load time of the load that produced it, microseconds
 //! 23      8     ETag: xxh3-64 of the body
-//! 31      ..    body (found only)
+//! 31      8     backoff_until, unix milliseconds: the end of a BACKOFF copy's
+//!               backoff (0 otherwise)
+//! 39      ..    body (found only)
 //! ```
 //!
-//! The finish script (`redis/scripts/finish.lua`) reads the version and
-//! status bytes and sets the flags byte of stored entries: it is given the
-//! constants below, so the layout is written down once.
+//! One value key holds an item's entry for its whole life, the fail-safe
+//! window included: past freshness (and the stale-while-revalidate window)
+//! it is no longer served to readers, but it stays, the body stored once,
+//! as the copy a failed load falls back on. A change marks it INVALIDATED
+//! in place for the same reason (`redis/scripts/apply.lua`), and a failed
+//! load re-serves it flagged BACKOFF until backoff_until
+//! (`redis/scripts/finish.lua`). The scripts are given the constants below,
+//! so the layout is written down once.
+//!
+//! Version 1 had no backoff_until and kept the fail-safe copy under a key of
+//! its own. During a rolling upgrade an instance reads the other version's
+//! entries and messages as absent (a miss) and replaces them: neither serves
+//! the other's entries, and a message it cannot read makes a waiter look
+//! again, so neither waits on the other past one look.
 //!
 //! Anything that does not decode is treated by callers as absent (a miss),
 //! never as an error to the client.
@@ -28,7 +42,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// The only envelope version this build writes and reads (byte 0).
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Offset of the status byte.
 pub const STATUS_AT: usize = 1;
 /// Offset of the flags byte.
@@ -43,11 +57,19 @@ pub const STORED_AT: usize = 3;
 pub const FRESH_UNTIL_AT: usize = 11;
 /// Offset of the load time (u32 microseconds, big endian).
 pub const LOAD_AT: usize = 19;
+/// Offset of the ETag (u64).
+pub const ETAG_AT: usize = 23;
+/// Offset of backoff_until (u64, big endian).
+pub const BACKOFF_UNTIL_AT: usize = 31;
 /// Bytes before the body.
-pub const HEADER_LEN: usize = 31;
-/// Flag: a stale copy stored after a failed load, served until it expires
-/// (the backoff), without triggering refreshes.
+pub const HEADER_LEN: usize = 39;
+/// Flag: a stale copy stored after a failed load, served until
+/// backoff_until (the backoff), without triggering refreshes.
 pub const FLAG_BACKOFF: u8 = 1;
+/// Flag: a change was applied after this entry was read. Never served to
+/// readers; kept as the fail-safe copy (a deleted item's is a not-found
+/// entry, so that its old body never comes back).
+pub const FLAG_INVALIDATED: u8 = 2;
 
 /// What a load found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +109,7 @@ pub struct Entry {
     fresh_until: u64,
     load_micros: u32,
     etag: u64,
+    backoff_until: u64,
     raw: Bytes,
 }
 
@@ -129,6 +152,7 @@ impl Entry {
         buf.put_u64(fresh_until);
         buf.put_u32(load_micros);
         buf.put_u64(etag);
+        buf.put_u64(0);
         buf.put_slice(body);
         Self {
             status,
@@ -137,17 +161,22 @@ impl Entry {
             fresh_until,
             load_micros,
             etag,
+            backoff_until: 0,
             raw: buf.freeze(),
         }
     }
 
     /// Reads an envelope; never panics, whatever the bytes (see the property test).
     pub fn decode(raw: Bytes) -> Result<Self, DecodeError> {
+        // The version first: an entry of another layout (a rolling
+        // upgrade) says so, whatever its length.
+        match raw.first() {
+            Some(&VERSION) => {}
+            Some(&other) => return Err(DecodeError::Version(other)),
+            None => return Err(DecodeError::Truncated(0)),
+        }
         if raw.len() < HEADER_LEN {
             return Err(DecodeError::Truncated(raw.len()));
-        }
-        if raw[0] != VERSION {
-            return Err(DecodeError::Version(raw[0]));
         }
         let status = match raw[STATUS_AT] {
             STATUS_FOUND => Status::Found,
@@ -172,7 +201,8 @@ impl Entry {
             stored_at: u64_at(STORED_AT),
             fresh_until: u64_at(FRESH_UNTIL_AT),
             load_micros: u32::from_be_bytes(load),
-            etag: u64_at(23),
+            etag: u64_at(ETAG_AT),
+            backoff_until: u64_at(BACKOFF_UNTIL_AT),
             raw,
         })
     }
@@ -213,15 +243,42 @@ impl Entry {
         now < self.fresh_until
     }
 
-    /// A stale copy re-served after a failed load: serve it, do not refresh.
+    /// A stale copy re-served after a failed load: serve it until
+    /// [`Entry::backoff_until`], do not refresh.
     pub fn is_backoff(&self) -> bool {
         self.flags & FLAG_BACKOFF != 0
     }
 
-    /// The same entry marked as a backoff copy, as the finish script stores it.
-    pub fn as_backoff(&self) -> Self {
+    /// The end of a backoff copy's backoff, unix milliseconds (0 otherwise).
+    pub fn backoff_until(&self) -> u64 {
+        self.backoff_until
+    }
+
+    /// A change was applied after it was read: kept only as the fail-safe
+    /// copy, never served to readers.
+    pub fn is_invalidated(&self) -> bool {
+        self.flags & FLAG_INVALIDATED != 0
+    }
+
+    /// The same entry marked as a backoff copy until `until` (unix ms), as
+    /// the finish script stores it: no longer invalidated, since a failed
+    /// load re-serves it on purpose.
+    pub fn as_backoff(&self, until: u64) -> Self {
         let mut raw = self.raw.to_vec();
-        raw[FLAGS_AT] |= FLAG_BACKOFF;
+        raw[FLAGS_AT] = (raw[FLAGS_AT] | FLAG_BACKOFF) & !FLAG_INVALIDATED;
+        raw[BACKOFF_UNTIL_AT..BACKOFF_UNTIL_AT + 8].copy_from_slice(&until.to_be_bytes());
+        Self {
+            flags: raw[FLAGS_AT],
+            backoff_until: until,
+            raw: Bytes::from(raw),
+            ..self.clone()
+        }
+    }
+
+    /// The same entry marked invalidated, as the apply script marks it.
+    pub fn as_invalidated(&self) -> Self {
+        let mut raw = self.raw.to_vec();
+        raw[FLAGS_AT] = (raw[FLAGS_AT] | FLAG_INVALIDATED) & !FLAG_BACKOFF;
         Self {
             flags: raw[FLAGS_AT],
             raw: Bytes::from(raw),
@@ -309,10 +366,33 @@ mod tests {
         assert!(!e.is_backoff());
         let mut raw = e.raw().to_vec();
         raw[FLAGS_AT] = FLAG_BACKOFF;
+        raw[BACKOFF_UNTIL_AT..BACKOFF_UNTIL_AT + 8].copy_from_slice(&77u64.to_be_bytes());
         let d = Entry::decode(Bytes::from(raw)).unwrap();
-        assert!(d.is_backoff());
-        assert_eq!(e.as_backoff(), d);
+        assert!(d.is_backoff() && !d.is_invalidated());
+        assert_eq!(d.backoff_until(), 77);
+        assert_eq!(e.as_backoff(77), d);
         assert_eq!(d.body(), e.body());
+        // Invalidated, then re-served as a backoff copy: one flag at a time.
+        let invalidated = e.as_invalidated();
+        assert!(invalidated.is_invalidated() && !invalidated.is_backoff());
+        assert_eq!(
+            Entry::decode(invalidated.raw().clone()).unwrap(),
+            invalidated
+        );
+        assert_eq!(invalidated.as_backoff(77), d);
+        assert!(!d.as_invalidated().is_backoff());
+    }
+
+    /// An entry of version 1 (the layout with the fail-safe copy in a key of
+    /// its own) is not read: a rolling upgrade never serves it.
+    #[test]
+    fn an_entry_of_the_previous_layout_is_not_read() {
+        let e = Entry::new(Status::Found, b"x", Duration::from_secs(1), Duration::ZERO);
+        let mut v1 = e.raw().to_vec();
+        v1[0] = 1;
+        // Version 1's header: 31 bytes, the body after it.
+        v1.drain(31..39);
+        assert_eq!(Entry::decode(Bytes::from(v1)), Err(DecodeError::Version(1)));
     }
 
     #[test]
@@ -320,14 +400,19 @@ mod tests {
         for raw in [
             &b""[..],
             b"{\"id\":1}",
-            b"\x01\x00short",
-            &[2u8; 30],
-            &[
-                1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-            ],
-            &[
-                1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, b'x',
-            ],
+            b"\x02\x00short",
+            &[2u8; 38],
+            &{
+                let mut bad_status = [0u8; 39];
+                bad_status[..2].copy_from_slice(&[2, 9]);
+                bad_status
+            },
+            &{
+                let mut not_found_with_body = [0u8; 40];
+                not_found_with_body[..2].copy_from_slice(&[2, 1]);
+                not_found_with_body[39] = b'x';
+                not_found_with_body
+            },
         ] {
             assert!(
                 Entry::decode(Bytes::copy_from_slice(raw)).is_err(),

@@ -1,8 +1,8 @@
 //! The cache: redis key and channel names.
 //!
-//! The id sits inside a hash tag (`{42}`) so that one item's value, lock,
-//! fail-safe copy, fence and channel always land in the same Redis Cluster
-//! slot.
+//! The id sits inside a hash tag (`{42}`) so that one item's value (which
+//! keeps the fail-safe copy too, see `entry.rs`), lock, fence and channel
+//! always land in the same Redis Cluster slot.
 
 use std::fmt::Display;
 
@@ -11,7 +11,6 @@ use std::fmt::Display;
 pub struct ItemKeys {
     pub value: String,
     pub lock: String,
-    pub fail_safe: String,
     pub fence: String,
     pub applied: String,
     pub channel: String,
@@ -34,14 +33,13 @@ impl Keys {
     }
 
     /// Every name of one item, the id rendered once (the read path and the
-    /// change feed's decoder make these for every item they touch; six
-    /// `format!`s were a visible share of the decoder's CPU).
+    /// change feed's decoder make these for every item they touch; a
+    /// `format!` each was a visible share of the decoder's CPU).
     pub fn item(&self, id: impl Display) -> ItemKeys {
         let id = id.to_string();
         ItemKeys {
             value: self.named("", &id),
             lock: self.named("lock:", &id),
-            fail_safe: self.named("stale:", &id),
             fence: self.named("fence:", &id),
             applied: self.named("applied:", &id),
             channel: self.named("ready:", &id),
@@ -66,11 +64,6 @@ impl Keys {
     /// `P` + `lock:post:{42}`
     pub fn lock(&self, id: impl Display) -> String {
         self.named("lock:", &id.to_string())
-    }
-
-    /// `P` + `stale:post:{42}`: the fail-safe copy, kept MAX_STALE past freshness.
-    pub fn fail_safe(&self, id: impl Display) -> String {
-        self.named("stale:", &id.to_string())
     }
 
     /// `P` + `fence:post:{42}`: the last change applied to the item, for a
@@ -134,7 +127,6 @@ mod tests {
         assert_eq!(keys.value(42), "t1:post:{42}");
         assert_eq!(keys.lock(42), "t1:lock:post:{42}");
         assert_eq!(keys.channel(42), "t1:ready:post:{42}");
-        assert_eq!(keys.fail_safe(42), "t1:stale:post:{42}");
         assert_eq!(keys.fence(42), "t1:fence:post:{42}");
         assert_eq!(keys.applied(42), "t1:applied:post:{42}");
         assert_eq!(keys.cutoff(), "t1:{post-changes}:cutoff");
@@ -147,7 +139,6 @@ mod tests {
                 [
                     item.value,
                     item.lock,
-                    item.fail_safe,
                     item.fence,
                     item.applied,
                     item.channel
@@ -155,7 +146,6 @@ mod tests {
                 [
                     keys.value(id),
                     keys.lock(id),
-                    keys.fail_safe(id),
                     keys.fence(id),
                     keys.applied(id),
                     keys.channel(id)

@@ -2,9 +2,11 @@
 //! post, in words or as JSON, with the same settings (REDIS_URL, KEY_PREFIX)
 //! as `serve`.
 //!
-//! It reads and never writes: the value and its fail-safe copy (decoded:
-//! status, when stored, how long fresh, how long its load took), the TTLs
-//! of those keys and of the lock, a short prefix of the lock holder's token
+//! It reads and never writes: the value (decoded: status, when stored, how
+//! long fresh, how long its load took), shown as the value while reads are
+//! served from it and as the fail-safe copy while it is a copy of the item
+//! (the one key keeps both, see `cache/entry.rs`), the TTLs of the value
+//! and of the lock, a short prefix of the lock holder's token
 //! (enough to tell two holders apart in logs, not to steal the lock), the
 //! item's change fence, the ready channel's subscribers (requests waiting
 //! on another's load) and the fleet's cutoff (`invalidate --all`).
@@ -12,7 +14,6 @@
 use std::fmt;
 
 use anyhow::Context;
-use bytes::Bytes;
 use serde::Serialize;
 use time::{format_description::well_known::Rfc3339, OffsetDateTime};
 
@@ -30,13 +31,17 @@ const TOKEN_PREFIX_LEN: usize = 8;
 #[derive(Debug, Clone, Serialize)]
 pub struct Inspection {
     pub id: i64,
-    /// The status of the value's entry, the one reads are served from.
+    /// The status of the value's entry, the one reads are served from
+    /// (`absent` when the key only keeps the fail-safe copy).
     pub status: EntryStatus,
     /// When this was read (RFC 3339); ages are counted from it.
     pub inspected_at: String,
+    /// The value key, its entry shown while reads are served from it: not
+    /// invalidated by a change, not a backoff copy past its backoff.
     pub value: Stored,
-    /// The fail-safe copy: the last good entry, kept MAX_STALE past
-    /// freshness for when loads fail.
+    /// The fail-safe copy: the last good entry (found, or a deleted post's
+    /// tombstone), kept MAX_STALE past freshness for when loads fail. The
+    /// same key as the value.
     pub fail_safe: Stored,
     pub lock: Lock,
     pub fence: Fence,
@@ -95,6 +100,10 @@ pub struct EntryView {
     pub etag: Option<String>,
     /// Its load began before the cutoff: it is served as stale at most.
     pub before_cutoff: bool,
+    /// A change was applied after its load: kept only as the fail-safe copy.
+    pub invalidated: bool,
+    /// A backoff copy's end of backoff (RFC 3339); null otherwise.
+    pub backoff_until: Option<String>,
 }
 
 /// The leader lock.
@@ -151,14 +160,29 @@ impl Inspection {
     /// What `snapshot` shows, as of `now` (unix ms).
     pub fn new(id: i64, keys: &Keys, snapshot: ItemSnapshot, cutoff: u64, now: u64) -> Self {
         let item = keys.item(id);
-        let value = Stored::new(item.value, snapshot.value, snapshot.value_ttl, cutoff, now);
+        let entry = snapshot.value.and_then(|raw| Entry::decode(raw).ok());
+        let ttl_ms = ttl(snapshot.value_ttl);
+        let served = entry.as_ref().filter(|e| {
+            let backoff_over = e.is_backoff() && now >= e.backoff_until();
+            !(e.is_invalidated() || backoff_over)
+        });
+        let copy = entry
+            .as_ref()
+            .filter(|e| matches!(e.status(), Status::Found | Status::NotFound));
+        let value = Stored {
+            key: item.value.clone(),
+            ttl_ms,
+            entry: served.map(|e| EntryView::new(e, cutoff, now)),
+        };
         let status = match (
             &value.entry,
-            value.ttl_ms.is_some() || snapshot.value_ttl == -1,
+            &entry,
+            ttl_ms.is_some() || snapshot.value_ttl == -1,
         ) {
-            (Some(entry), _) => entry.status,
-            (None, true) => EntryStatus::Undecodable,
-            (None, false) => EntryStatus::Absent,
+            (Some(view), ..) => view.status,
+            (None, Some(_), _) => EntryStatus::Absent,
+            (None, None, true) => EntryStatus::Undecodable,
+            (None, None, false) => EntryStatus::Absent,
         };
         let lock = snapshot.lock;
         Self {
@@ -166,13 +190,11 @@ impl Inspection {
             status,
             inspected_at: rfc3339(now),
             value,
-            fail_safe: Stored::new(
-                item.fail_safe,
-                snapshot.fail_safe,
-                snapshot.fail_safe_ttl,
-                cutoff,
-                now,
-            ),
+            fail_safe: Stored {
+                key: item.value,
+                ttl_ms,
+                entry: copy.map(|e| EntryView::new(e, cutoff, now)),
+            },
             lock: Lock {
                 key: item.lock,
                 held: lock.is_some(),
@@ -189,19 +211,6 @@ impl Inspection {
                 subscribers: snapshot.subscribers,
             },
             cutoff: (cutoff > 0).then(|| rfc3339(cutoff)),
-        }
-    }
-}
-
-impl Stored {
-    fn new(key: String, raw: Option<Bytes>, pttl: i64, cutoff: u64, now: u64) -> Self {
-        let entry = raw
-            .and_then(|raw| Entry::decode(raw).ok())
-            .map(|entry| EntryView::new(&entry, cutoff, now));
-        Self {
-            key,
-            ttl_ms: ttl(pttl),
-            entry,
         }
     }
 }
@@ -226,6 +235,8 @@ impl EntryView {
             body_bytes: entry.body().len(),
             etag: found.then(|| crate::http::etag(entry)),
             before_cutoff: entry.read_at() < cutoff,
+            invalidated: entry.is_invalidated(),
+            backoff_until: entry.is_backoff().then(|| rfc3339(entry.backoff_until())),
         }
     }
 }
@@ -307,6 +318,12 @@ impl fmt::Display for Stored {
         write!(f, "    {fresh}; key {}", expiry(self.ttl_ms))?;
         if entry.before_cutoff {
             write!(f, "; loaded before the cutoff: stale")?;
+        }
+        if entry.invalidated {
+            write!(f, "; invalidated by a change")?;
+        }
+        if let Some(until) = &entry.backoff_until {
+            write!(f, "; backoff until {until}")?;
         }
         Ok(())
     }

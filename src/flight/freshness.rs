@@ -5,9 +5,13 @@
 //!
 //! ```text
 //! stored_at        fresh_until     + STALE_WHILE_REVALIDATE     + MAX_STALE
-//!     │── Fresh ───────│── StaleInGrace ──│── Miss (value gone) ──────│
-//!                      └──────── fail-safe copy kept (stale:…) ───────┘
+//!     │── Fresh ───────│── StaleInGrace ──│── Miss ───────────────────│ key expires
+//!                      └──── the same key kept as the fail-safe copy ──┘
 //! ```
+//!
+//! A change marks the entry INVALIDATED (a miss, kept as the fail-safe
+//! copy); a failed load re-serves the copy flagged BACKOFF until its
+//! backoff_until.
 
 use std::time::Duration;
 
@@ -22,8 +26,9 @@ use crate::{
 pub enum Verdict {
     /// Fresh: serve it.
     Fresh(Entry),
-    /// A fail-safe copy re-served after a failed load, until FAILURE_TTL
-    /// ends the backoff: serve it as stale, never refresh it.
+    /// A fail-safe copy re-served after a failed load, until its
+    /// backoff_until (FAILURE_TTL after the failure): serve it as stale,
+    /// never refresh it.
     Backoff(Entry),
     /// Past freshness, inside the grace window: serve it as stale while one
     /// background refresh runs.
@@ -33,7 +38,9 @@ pub enum Verdict {
     /// A fresh too-large marker: the item is over MAX_ENTRY_BYTES, so it is
     /// never stored: load it from the source, without a lock or a wait.
     TooLarge,
-    /// Nothing to serve: absent, undecodable, or stale past the grace window.
+    /// Nothing to serve: absent, undecodable, invalidated by a change, past
+    /// its backoff, or stale past the grace window (the last three kept as
+    /// the fail-safe copy).
     Miss,
 }
 
@@ -54,8 +61,8 @@ pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Ve
         (entry.fresh_until(), grace)
     };
     // Order matters: a failure marker carries no body whatever its flags,
-    // and a backoff copy is served whatever its freshness (it is kept only
-    // for FAILURE_TTL, which is the backoff).
+    // and a backoff copy is served whatever its freshness, until its
+    // backoff ends.
     if entry.status() == Status::Failed {
         Verdict::Failed
     } else if entry.status() == Status::TooLarge {
@@ -66,8 +73,12 @@ pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Ve
         } else {
             Verdict::Miss
         }
+    } else if entry.is_invalidated() {
+        // A change was applied after its read: kept only as the fail-safe copy.
+        Verdict::Miss
     } else if entry.is_backoff() {
-        if invalidated {
+        // Past its backoff, the copy is the fail-safe copy again.
+        if invalidated || now >= entry.backoff_until() {
             Verdict::Miss
         } else {
             Verdict::Backoff(entry)
@@ -123,32 +134,28 @@ pub struct Lifetimes {
     pub failure_ttl: Duration,
 }
 
-/// How long to keep what a load produced:
-/// - found: the value for its freshness plus the grace window, and a
-///   fail-safe copy for freshness plus MAX_STALE (only when that outlives
-///   the value: otherwise the copy would add nothing);
-/// - not found: the value for its freshness; a copy already kept for the
-///   item (it existed) becomes its tombstone, kept as long as a found copy
-///   (the finish script writes it only over an existing copy), so that a
-///   deleted item is answered 404, never its old body, when loads fail;
+/// How long to keep what a load produced, in the one value key:
+/// - found: its freshness plus the longer of the grace window and MAX_STALE:
+///   past the grace window it is no longer served, but it stays as the
+///   fail-safe copy (the body stored once);
+/// - not found: its freshness; but when it replaces a copy of the item
+///   (found, or an earlier tombstone: the item existed), for freshness plus
+///   MAX_STALE as that copy's tombstone, so that a deleted item is answered
+///   404, never its old body, when loads fail (the finish script sees which);
 /// - failed: nothing but the backoff, for FAILURE_TTL;
-/// - too large: the marker for its freshness, and no fail-safe copy (one
-///   kept from before the item grew is deleted: it is older than the item).
+/// - too large: the marker for its freshness, which takes the place of any
+///   copy kept from before the item grew (it is older than the item).
 pub fn store_for(entry: &Entry, l: Lifetimes) -> StoreFor {
     let fresh = Duration::from_millis(entry.fresh_until().saturating_sub(entry.stored_at()));
     match entry.status() {
         Status::Found => StoreFor {
-            value: fresh + l.stale_while_revalidate,
-            fail_safe: if l.max_stale > l.stale_while_revalidate {
-                fresh + l.max_stale
-            } else {
-                Duration::ZERO
-            },
+            value: fresh + l.stale_while_revalidate.max(l.max_stale),
+            tombstone: Duration::ZERO,
             failure: Duration::ZERO,
         },
         Status::NotFound => StoreFor {
             value: fresh,
-            fail_safe: if l.max_stale.is_zero() {
+            tombstone: if l.max_stale.is_zero() {
                 Duration::ZERO
             } else {
                 fresh + l.max_stale
@@ -157,12 +164,12 @@ pub fn store_for(entry: &Entry, l: Lifetimes) -> StoreFor {
         },
         Status::Failed => StoreFor {
             value: Duration::ZERO,
-            fail_safe: Duration::ZERO,
+            tombstone: Duration::ZERO,
             failure: l.failure_ttl,
         },
         Status::TooLarge => StoreFor {
             value: fresh,
-            fail_safe: Duration::ZERO,
+            tombstone: Duration::ZERO,
             failure: Duration::ZERO,
         },
     }
@@ -243,12 +250,14 @@ mod tests {
 
     #[test]
     fn a_backoff_copy_is_settled_as_stale_and_a_marker_as_a_failure() {
-        let entry = Entry::stamped(Status::Found, b"x", 0, 10, Duration::ZERO).as_backoff();
-        let answer = judge(Some(entry), 1_000, Duration::ZERO, 0)
+        let entry = Entry::stamped(Status::Found, b"x", 0, 10, Duration::ZERO).as_backoff(2_000);
+        let answer = judge(Some(entry.clone()), 1_000, Duration::ZERO, 0)
             .settle(Served::CoalescedRemote)
             .expect("settled")
             .expect("an answer");
         assert_eq!(answer.served, Served::Stale);
+        // Past its backoff it is the fail-safe copy again: a miss.
+        assert_eq!(judge(Some(entry), 2_000, Duration::ZERO, 0), Verdict::Miss);
         let marker = Entry::stamped(Status::Failed, b"", 0, 0, Duration::ZERO);
         assert_eq!(
             judge(Some(marker), 1, Duration::ZERO, 0).settle(Served::Miss),
@@ -282,23 +291,26 @@ mod properties {
             status(),
             0u64..1_000_000,
             0u64..1_000_000,
-            any::<bool>(),
+            0u8..3,
+            0u64..3_000_000,
             0u64..10_000,
         )
-            .prop_map(|(status, stored_at, fresh_for, backoff, load_ms)| {
-                let e = Entry::stamped(
-                    status,
-                    b"{}",
-                    stored_at,
-                    stored_at + fresh_for,
-                    Duration::from_millis(load_ms),
-                );
-                if backoff {
-                    e.as_backoff()
-                } else {
-                    e
-                }
-            })
+            .prop_map(
+                |(status, stored_at, fresh_for, flag, backoff_until, load_ms)| {
+                    let e = Entry::stamped(
+                        status,
+                        b"{}",
+                        stored_at,
+                        stored_at + fresh_for,
+                        Duration::from_millis(load_ms),
+                    );
+                    match flag {
+                        1 => e.as_backoff(backoff_until),
+                        2 => e.as_invalidated(),
+                        _ => e,
+                    }
+                },
+            )
     }
 
     fn lifetimes() -> impl Strategy<Value = Lifetimes> {
@@ -322,7 +334,9 @@ mod properties {
                 Status::Failed => Verdict::Failed,
                 Status::TooLarge if now < e.fresh_until() => Verdict::TooLarge,
                 Status::TooLarge => Verdict::Miss,
-                _ if e.is_backoff() => Verdict::Backoff(e.clone()),
+                _ if e.is_invalidated() => Verdict::Miss,
+                _ if e.is_backoff() && now < e.backoff_until() => Verdict::Backoff(e.clone()),
+                _ if e.is_backoff() => Verdict::Miss,
                 _ if now < e.fresh_until() => Verdict::Fresh(e.clone()),
                 _ if in_grace => Verdict::StaleInGrace(e.clone()),
                 _ => Verdict::Miss,
@@ -360,25 +374,25 @@ mod properties {
             let fresh = Duration::from_millis(e.fresh_until() - e.stored_at());
             match e.status() {
                 Status::Found => {
-                    prop_assert_eq!(s.value, fresh + l.stale_while_revalidate);
-                    // The copy outlives the value or is not written at all.
-                    prop_assert!(s.fail_safe.is_zero() || s.fail_safe > s.value);
-                    prop_assert_eq!(s.fail_safe.is_zero(), l.max_stale <= l.stale_while_revalidate);
-                    prop_assert!(s.failure.is_zero());
+                    // Served through the grace window, kept as the fail-safe
+                    // copy through MAX_STALE: one key, as long as the longer.
+                    prop_assert_eq!(s.value, fresh + l.stale_while_revalidate.max(l.max_stale));
+                    prop_assert!(s.tombstone.is_zero() && s.failure.is_zero());
                 }
                 Status::NotFound => {
                     prop_assert_eq!(s.value, fresh);
                     // The tombstone lives as long as a found copy would.
-                    prop_assert_eq!(s.fail_safe.is_zero(), l.max_stale.is_zero());
+                    prop_assert_eq!(s.tombstone.is_zero(), l.max_stale.is_zero());
+                    prop_assert!(s.tombstone.is_zero() || s.tombstone == fresh + l.max_stale);
                     prop_assert!(s.failure.is_zero());
                 }
                 Status::Failed => {
-                    prop_assert!(s.value.is_zero() && s.fail_safe.is_zero());
+                    prop_assert!(s.value.is_zero() && s.tombstone.is_zero());
                     prop_assert_eq!(s.failure, l.failure_ttl);
                 }
                 Status::TooLarge => {
                     prop_assert_eq!(s.value, fresh);
-                    prop_assert!(s.fail_safe.is_zero() && s.failure.is_zero());
+                    prop_assert!(s.tombstone.is_zero() && s.failure.is_zero());
                 }
             }
         }

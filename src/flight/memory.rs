@@ -175,8 +175,9 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
         let Some(cache) = &self.cache else {
             return;
         };
-        let keepable =
-            matches!(entry.status(), Status::Found | Status::NotFound) && !entry.is_backoff();
+        let keepable = matches!(entry.status(), Status::Found | Status::NotFound)
+            && !entry.is_backoff()
+            && !entry.is_invalidated();
         if !keepable || !entry.is_fresh(now) || !self.serving.load(Ordering::SeqCst) {
             return;
         }
@@ -559,7 +560,7 @@ mod tests {
         let tier = MemoryTier::new(1 << 20, Duration::from_secs(10));
         let now = now_millis();
         let failed = Entry::new(Status::Failed, b"", Duration::from_secs(5), Duration::ZERO);
-        let backoff = found(b"x", Duration::from_secs(5)).as_backoff();
+        let backoff = found(b"x", Duration::from_secs(5)).as_backoff(u64::MAX);
         let stale = Entry::stamped(Status::Found, b"x", now - 10, now - 1, Duration::ZERO);
         for (key, entry) in [(1, failed), (2, backoff), (3, stale)] {
             tier.fill(&key, &entry, &tier.ticket(&key), now);

@@ -303,7 +303,7 @@ mod tests {
         );
         let mut seen = 0;
         for served in served::ALL {
-            for entry in [&found, &found.as_backoff(), &not_found] {
+            for entry in [&found, &found.as_backoff(u64::MAX), &not_found] {
                 for validators in [HeaderMap::new(), matching.clone()] {
                     let answer = Answer::new(entry.clone(), served).expect("not a failure");
                     let validators = handlers::IfNoneMatch::from_headers(&validators);

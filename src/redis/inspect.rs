@@ -13,8 +13,6 @@ use crate::cache::ItemKeys;
 pub struct ItemSnapshot {
     pub value: Option<Bytes>,
     pub value_ttl: i64,
-    pub fail_safe: Option<Bytes>,
-    pub fail_safe_ttl: i64,
     /// The lock holder's token.
     pub lock: Option<String>,
     pub lock_ttl: i64,
@@ -31,7 +29,7 @@ pub async fn snapshot(redis: &RedisCommands, keys: &ItemKeys) -> Result<ItemSnap
     let replies: Vec<Value> = redis
         .unrefused(&keys.value, |c| async move {
             let pipeline = c.pipeline();
-            for key in [&keys.value, &keys.fail_safe, &keys.lock, &keys.fence] {
+            for key in [&keys.value, &keys.lock, &keys.fence] {
                 let () = pipeline.get(key).await?;
                 let () = pipeline.pttl(key).await?;
             }
@@ -55,8 +53,6 @@ pub async fn snapshot(redis: &RedisCommands, keys: &ItemKeys) -> Result<ItemSnap
     Ok(ItemSnapshot {
         value: bytes(next()),
         value_ttl: ttl(next()),
-        fail_safe: bytes(next()),
-        fail_safe_ttl: ttl(next()),
         lock: next().into_string(),
         lock_ttl: ttl(next()),
         fence: next().into_string(),

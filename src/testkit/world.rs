@@ -362,6 +362,29 @@ impl TestEnv {
         raw.map(|raw| Entry::decode(raw).expect("a decodable entry"))
     }
 
+    /// Ends a post's stored freshness now, as time would: the entry stays,
+    /// with its TTL, as the fail-safe copy.
+    pub async fn expire_freshness(&self, id: i64) {
+        let key = self.keys.value(id);
+        let raw: Option<bytes::Bytes> = self.redis.get(&key).await.unwrap();
+        let mut raw = raw.expect("a stored entry").to_vec();
+        let past = crate::cache::now_millis() - 1;
+        let at = crate::cache::entry::FRESH_UNTIL_AT;
+        raw[at..at + 8].copy_from_slice(&past.to_be_bytes());
+        let _: () = self
+            .redis
+            .custom(
+                fred::types::CustomCommand::new_static("SET", None::<u16>, false),
+                vec![
+                    Value::String(key.into()),
+                    Value::Bytes(raw.into()),
+                    Value::String("KEEPTTL".into()),
+                ],
+            )
+            .await
+            .unwrap();
+    }
+
     /// Sets a post's title by plain SQL, as any other writer would.
     pub async fn retitle(&self, id: i64, title: &str) {
         sqlx::query("update posts set title = $1 where id = $2")

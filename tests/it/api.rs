@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use fred::prelude::ClientLike;
 use postcache::{
     cache::{Jitter, Status},
     testkit::{free_port, wait_until, TableLock, TestEnv, A_WHILE, PATIENT},
@@ -114,17 +115,21 @@ async fn the_stored_ttl_lies_inside_the_jitter_window() {
         .await;
     let (lo, hi) = Jitter::new(0.1).window(Duration::from_secs(60));
 
+    // The freshness stored in each entry; the key outlives it as the
+    // fail-safe copy (by MAX_STALE).
     let mut pttls = Vec::new();
     for id in 1..=40 {
         assert_eq!(app.get(&format!("/posts/{id}")).await.status, 200);
-        pttls.push(env.pttl(&env.keys.value(id)).await);
+        let entry = env.stored(id).await.expect("stored");
+        let fresh = (entry.fresh_until() - entry.stored_at()) as i64;
+        assert!(env.pttl(&env.keys.value(id)).await > fresh);
+        pttls.push(fresh);
     }
 
     for pttl in &pttls {
-        // A few ms may pass between SET and PTTL.
         assert!(
-            (lo.as_millis() as i64 - 1_000..=hi.as_millis() as i64).contains(pttl),
-            "PTTL {pttl} outside [{lo:?}, {hi:?}]"
+            (lo.as_millis() as i64..=hi.as_millis() as i64).contains(pttl),
+            "freshness {pttl} ms outside [{lo:?}, {hi:?}]"
         );
     }
     let spread = pttls.iter().max().unwrap() - pttls.iter().min().unwrap();
@@ -145,7 +150,7 @@ async fn an_undecodable_entry_is_a_miss_and_gets_replaced() {
     for garbage in [
         &b"not an entry"[..],
         b"",
-        b"\x01\x07garbage-garbage-garbage-!",
+        b"\x02\x07garbage-garbage-garbage-garbage-garbage-!",
     ] {
         env.set(&key, garbage, Duration::from_secs(60)).await;
 
@@ -164,6 +169,75 @@ async fn an_undecodable_entry_is_a_miss_and_gets_replaced() {
         app.http.metric(counted).await - before,
         6.0,
         "each undecodable entry counted where it was met"
+    );
+}
+
+/// A rolling upgrade: an instance of the previous layout (envelope version
+/// 1, its fail-safe copy under a key of its own) stored a fresh entry. It is
+/// never served: read as a miss, loaded, and replaced.
+#[tokio::test]
+async fn an_entry_of_the_previous_layout_is_never_served_and_gets_replaced() {
+    let env = TestEnv::new(2).await;
+    let app = env.spawn(&["--l1-max-bytes", "0"]).await;
+    let now = postcache::cache::now_millis();
+    let body = br#"{"id":2,"title":"from the previous layout"}"#;
+    let mut v1 = vec![1u8, 0, 0];
+    v1.extend_from_slice(&now.to_be_bytes());
+    v1.extend_from_slice(&(now + 60_000).to_be_bytes());
+    v1.extend_from_slice(&0u32.to_be_bytes());
+    v1.extend_from_slice(&7u64.to_be_bytes());
+    v1.extend_from_slice(body);
+    env.set(
+        &env.keys.value(2),
+        bytes::Bytes::from(v1),
+        Duration::from_secs(60),
+    )
+    .await;
+
+    let reply = app.get("/posts/2").await;
+
+    assert_eq!(
+        (reply.status, reply.x_cache.as_deref()),
+        (200, Some("miss"))
+    );
+    assert_ne!(reply.json()["title"], "from the previous layout");
+    let stored = env
+        .stored(2)
+        .await
+        .expect("replaced by an entry of this layout");
+    assert_eq!(stored.body(), reply.body);
+    assert_eq!(app.get("/posts/2").await.x_cache.as_deref(), Some("hit"));
+}
+
+/// A cached post is one key in Redis, its body stored once: the entry
+/// serves reads while fresh and stays as the fail-safe copy after, and the
+/// lock is gone once the load is done.
+#[tokio::test]
+async fn a_cached_post_is_one_key_of_at_most_its_body_and_150_bytes() {
+    let env = TestEnv::new(3).await;
+    let app = env.spawn(&["--max-stale", "1h"]).await;
+    let reply = app.get("/posts/2").await;
+    assert_eq!(reply.x_cache.as_deref(), Some("miss"));
+
+    let value = env.keys.value(2);
+    let prefix = value.strip_suffix("post:{2}").expect("the contract's name");
+    let list = fred::types::CustomCommand::new_static("KEYS", None::<u16>, false);
+    let keys: Vec<String> = env
+        .redis
+        .custom(list, vec![format!("{prefix}*{{2}}")])
+        .await
+        .unwrap();
+    assert_eq!(keys, std::slice::from_ref(&value), "one key for the post");
+    let usage = fred::types::CustomCommand::new_static("MEMORY", None::<u16>, false);
+    let bytes: i64 = env
+        .redis
+        .custom(usage, vec!["USAGE", value.as_str(), "SAMPLES", "0"])
+        .await
+        .unwrap();
+    let body = reply.body.len() as i64;
+    assert!(
+        bytes <= body + 150,
+        "{bytes} bytes in Redis for a body of {body}"
     );
 }
 

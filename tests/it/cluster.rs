@@ -35,7 +35,7 @@ async fn a_posts_keys_share_one_slot_and_waiters_use_shard_channels() {
         env.keys.value(5),
         env.keys.lock(5),
         env.keys.channel(5),
-        env.keys.fail_safe(5),
+        env.keys.fence(5),
     ];
     assert!(keys.iter().all(|k| slot(k) == slot(&keys[0])), "{keys:?}");
 

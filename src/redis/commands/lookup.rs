@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 
 use super::RedisCommands;
 use crate::{
-    cache::Entry,
+    cache::{DecodeError, Entry},
     redis::{
         coalesce::{again, queued_reply, Turn},
         error::{guarded, RedisError},
@@ -123,7 +123,13 @@ pub(super) fn decoded(key: &str, raw: Option<Bytes>) -> Option<Entry> {
         Ok(entry) => Some(entry),
         Err(error) => {
             metrics::garbage("entry");
-            tracing::warn!(%error, key, "undecodable cache entry, treated as a miss");
+            if let DecodeError::Version(_) = error {
+                // An instance of another layout wrote it (a rolling
+                // upgrade): expected, and replaced by the next store.
+                tracing::debug!(%error, key, "cache entry of another layout, treated as a miss");
+            } else {
+                tracing::warn!(%error, key, "undecodable cache entry, treated as a miss");
+            }
             None
         }
     })

@@ -10,7 +10,13 @@ local function u64(s, at)
   for i = at, at + 7 do n = n * 256 + string.byte(s, i) end
   return n
 end
-local function backoff(s) return bit.band(string.byte(s, $FLAGS), $BACKOFF) ~= 0 end
+local function has(s, flag) return bit.band(string.byte(s, $FLAGS), flag) ~= 0 end
+-- `s` with INVALIDATED set and BACKOFF cleared: never served to readers
+-- again, kept as the fail-safe copy.
+local function invalidated(s)
+  local flags = bit.band(bit.bor(string.byte(s, $FLAGS), $INVALIDATED), bit.bnot($BACKOFF))
+  return string.sub(s, 1, $FLAGS - 1) .. string.char(flags) .. string.sub(s, $FLAGS + 1)
+end
 
 local function apply_one(K, A)
   -- Applied already (by this instance or another): nothing to do. By id,
@@ -26,40 +32,34 @@ local function apply_one(K, A)
   -- replication feed fences every change (its LSN): a later load from a
   -- read replica must have replayed it.
   local fence = A.always_fence == '1' or value or redis.call('EXISTS', K.lock) == 1
+  local copy = value and valid(value) and (status(value) == $FOUND or status(value) == $NOT_FOUND)
   if A.kind == 'delete' then
-    -- Deleted: the value goes (the next read loads and stores the post's
-    -- absence: a tombstone written here could land over a newer value, a
-    -- post inserted again and stored before this deletion was applied),
-    -- and a tombstone takes the fail-safe copy's place, so that a failed
-    -- load never serves the old body again.
-    if value then
-      redis.call('DEL', K.value)
-    end
-    if tonumber(A.tombstone_copy_ms) > 0 then
-      redis.call('SET', K.fail_safe, A.tombstone, 'PX', A.tombstone_copy_ms, 'XX')
-    else
-      redis.call('DEL', K.fail_safe)
-    end
-  else
-    local grace = tonumber(A.grace_ms)
-    if value and grace > 0 and valid(value) and status(value) == $FOUND and not backoff(value) then
-      -- Stale-while-revalidate: the body stays, fresh until now, so readers
-      -- get it marked stale while one refresh reloads it; the key lives no
-      -- longer than the grace window.
-      if u64(value, $FRESH_UNTIL) > u64(A.now, 1) then
-        value = string.sub(value, 1, $FRESH_UNTIL - 1) .. A.now .. string.sub(value, $FRESH_UNTIL + 8)
-      end
-      local left = redis.call('PTTL', K.value)
-      if left < 0 or left > grace then left = grace end
-      redis.call('SET', K.value, value, 'PX', math.max(left, 1))
+    -- Deleted: a copy of the item gives way to its tombstone (a not-found
+    -- entry, invalidated: never served to readers, since it could land over
+    -- a newer value, a post inserted again and stored before this deletion
+    -- was applied; a failed load serves it, never the old body). Anything
+    -- else goes.
+    if copy and tonumber(A.tombstone_copy_ms) > 0 then
+      redis.call('SET', K.value, invalidated(A.tombstone), 'PX', A.tombstone_copy_ms)
     elseif value then
       redis.call('DEL', K.value)
     end
-    -- A tombstone kept for the item goes: it exists again.
-    local copy = redis.call('GET', K.fail_safe)
-    if valid(copy) and status(copy) == $NOT_FOUND then
-      redis.call('DEL', K.fail_safe)
+  elseif copy and status(value) == $FOUND then
+    if tonumber(A.grace_ms) > 0 and not has(value, $BACKOFF) and not has(value, $INVALIDATED) then
+      -- Stale-while-revalidate: fresh until now, so readers get it marked
+      -- stale for the grace window while one refresh reloads it.
+      if u64(value, $FRESH_UNTIL) > u64(A.now, 1) then
+        value = string.sub(value, 1, $FRESH_UNTIL - 1) .. A.now .. string.sub(value, $FRESH_UNTIL + 8)
+        redis.call('SET', K.value, value, 'KEEPTTL')
+      end
+    elseif not has(value, $INVALIDATED) then
+      -- Never served again; the body stays as the fail-safe copy.
+      redis.call('SET', K.value, invalidated(value), 'KEEPTTL')
     end
+  elseif value then
+    -- A negative entry (the item exists again), a marker, or bytes of
+    -- another layout: nothing worth keeping.
+    redis.call('DEL', K.value)
   end
   -- Last, so that a script stopped part-way is applied again in full.
   if fence then

@@ -5,12 +5,13 @@
 //! skipped, applied by this instance or another, in whatever order the
 //! changes arrive. Sets the fence to the change, a value no fence had
 //! before, and records the change as applied (both for the fence's
-//! lifetime, while there is a value or a leader to fence). A delete deletes
-//! the value and puts a tombstone (a not-found entry) in place of the
-//! fail-safe copy, where there is one. Any other change deletes the value, or with
-//! stale-while-revalidate marks a found one stale (fresh until now, kept no
-//! longer than the grace window), and deletes a tombstone copy (the item
-//! exists again).
+//! lifetime, while there is a value or a leader to fence). The value is
+//! changed in place, its body kept as the fail-safe copy (see
+//! `cache/entry.rs`): a delete puts the item's tombstone (a not-found
+//! entry, invalidated) in place of a copy; any other change marks a found
+//! entry INVALIDATED, or with stale-while-revalidate marks it stale (fresh
+//! until now: served stale for the grace window), and deletes a not-found
+//! entry (the item exists again) or a marker.
 //!
 //! One item anywhere (its keys share a slot); several only on a single
 //! Redis (the change feed's decoder: their keys are in different slots).
@@ -28,7 +29,6 @@ layout! {
     Keys {
         value,
         lock,
-        fail_safe,
         fence,
         /// The changes applied to the item (a set).
         applied,
@@ -40,9 +40,10 @@ layout! {
     Shared {
         /// How long the fence outlives the change, ms.
         fence_ms,
-        /// The not-found entry a delete leaves as the fail-safe copy.
+        /// The not-found entry, invalidated, that a delete puts in place of
+        /// a copy of the item.
         tombstone,
-        /// Its TTL, ms (0: none).
+        /// Its TTL, ms (0: none: the copy is deleted).
         tombstone_copy_ms,
         /// The stale-while-revalidate window, ms (0: off).
         grace_ms,
@@ -102,7 +103,7 @@ return applied
 /// How a change is applied to an item's keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChangeKind {
-    /// The item is gone: the value deleted, a tombstone as its fail-safe copy.
+    /// The item is gone: a tombstone in place of its copy.
     Deleted,
     /// Anything else: what is stored is no longer to be trusted.
     Changed,
@@ -113,7 +114,7 @@ pub enum ChangeKind {
 pub struct ApplyFor {
     /// How long the fence outlives the change.
     pub fence: Duration,
-    /// The tombstone as the fail-safe copy (0: none).
+    /// The tombstone in place of a copy (0: none, the copy deleted).
     pub tombstone_copy: Duration,
     /// The stale-while-revalidate window (0: off).
     pub grace: Duration,
@@ -147,7 +148,6 @@ impl Call for ApplyMany<'_> {
                 Keys {
                     value: k.value.as_str(),
                     lock: &k.lock,
-                    fail_safe: &k.fail_safe,
                     fence: &k.fence,
                     applied: &k.applied,
                 }
@@ -228,28 +228,37 @@ mod contract {
         assert_eq!(names_read(&lua, 'A'), sent);
     }
 
+    async fn put(client: &Client, key: &str, entry: &Entry, ttl_ms: i64) {
+        let _: () = client
+            .set(
+                key,
+                entry.raw().clone(),
+                Some(fred::types::Expiration::PX(ttl_ms)),
+                None,
+                false,
+            )
+            .await
+            .unwrap();
+    }
+
     #[tokio::test]
-    async fn changes_fence_delete_tombstone_and_are_applied_once() {
+    async fn changes_fence_and_keep_the_body_as_the_fail_safe_copy_once() {
         let (client, prefix) = redis().await;
         let names = Names::new(&prefix, "post");
-        let (changed, deleted, idle) = (names.item(1), names.item(2), names.item(3));
+        let (changed, deleted, negative, idle) =
+            (names.item(1), names.item(2), names.item(3), names.item(4));
         let found = Entry::new(Status::Found, b"old", MINUTE, Duration::ZERO);
         let tombstone = Entry::new(Status::NotFound, &[], MINUTE, Duration::ZERO);
         for keys in [&changed, &deleted] {
-            let _: () = client
-                .set(&keys.value, found.raw().clone(), None, None, false)
-                .await
-                .unwrap();
-            let _: () = client
-                .set(&keys.fail_safe, found.raw().clone(), None, None, false)
-                .await
-                .unwrap();
+            put(&client, &keys.value, &found, 600_000).await;
         }
+        put(&client, &negative.value, &tombstone, 600_000).await;
         let items = [
             (&changed, 10, ChangeKind::Changed),
             (&deleted, 11, ChangeKind::Deleted),
+            (&negative, 12, ChangeKind::Changed),
             // Nothing stored and no leader: nothing to fence.
-            (&idle, 12, ChangeKind::Changed),
+            (&idle, 13, ChangeKind::Changed),
         ];
         let apply = ApplyMany {
             items: &items,
@@ -257,22 +266,29 @@ mod contract {
             lifetimes: lifetimes(Duration::ZERO),
         };
 
-        assert_eq!(run(&client, &apply).await, 3);
+        assert_eq!(run(&client, &apply).await, 4);
 
-        assert_eq!(get(&client, &changed.value).await, None);
+        // Changed: never served again, the body kept as the fail-safe copy
+        // for as long as it had left.
         assert_eq!(
-            get(&client, &changed.fail_safe).await.as_ref(),
-            Some(&found)
+            get(&client, &changed.value).await,
+            Some(found.as_invalidated())
         );
+        let ttl: i64 = client.pttl(&changed.value).await.unwrap();
+        assert!(ttl > 590_000, "{ttl}");
         let fence: Option<String> = client.get(&changed.fence).await.unwrap();
         assert_eq!(fence.as_deref(), Some("10"));
-        // Deleted, not a tombstone: one written here could land over a
-        // newer value (the post inserted again, and loaded, since).
-        assert_eq!(get(&client, &deleted.value).await, None);
+        // Deleted: the tombstone in place of the copy, invalidated too: one
+        // served could land over a newer value (the post inserted again,
+        // and loaded, since).
         assert_eq!(
-            get(&client, &deleted.fail_safe).await.as_ref(),
-            Some(&tombstone)
+            get(&client, &deleted.value).await,
+            Some(tombstone.as_invalidated())
         );
+        let ttl: i64 = client.pttl(&deleted.value).await.unwrap();
+        assert!(ttl > 0 && ttl <= 60_000, "{ttl}");
+        // A negative entry goes: the item exists again.
+        assert_eq!(get(&client, &negative.value).await, None);
         let fence: Option<String> = client.get(&idle.fence).await.unwrap();
         assert_eq!(fence, None);
 
@@ -321,36 +337,39 @@ mod contract {
     }
 
     #[tokio::test]
-    async fn with_a_grace_window_a_change_marks_the_value_stale_and_revives_a_tombstone() {
+    async fn with_a_grace_window_a_change_marks_the_value_stale_and_a_backoff_copy_invalidated() {
         let (client, prefix) = redis().await;
-        let keys = Names::new(&prefix, "post").item(4);
+        let names = Names::new(&prefix, "post");
+        let (keys, backoff_keys) = (names.item(4), names.item(5));
         let found = Entry::new(Status::Found, b"body", MINUTE, Duration::ZERO);
+        let backoff = found.as_backoff(now_millis() + 60_000);
         let tombstone = Entry::new(Status::NotFound, &[], MINUTE, Duration::ZERO);
-        let _: () = client
-            .set(&keys.value, found.raw().clone(), None, None, false)
-            .await
-            .unwrap();
-        let _: () = client
-            .set(&keys.fail_safe, tombstone.raw().clone(), None, None, false)
-            .await
-            .unwrap();
-        let items = [(&keys, 20, ChangeKind::Changed)];
+        put(&client, &keys.value, &found, 600_000).await;
+        put(&client, &backoff_keys.value, &backoff, 600_000).await;
+        let items = [
+            (&keys, 20, ChangeKind::Changed),
+            (&backoff_keys, 21, ChangeKind::Changed),
+        ];
         let apply = ApplyMany {
             items: &items,
             tombstone: &tombstone,
             lifetimes: lifetimes(Duration::from_secs(5)),
         };
 
-        assert_eq!(run(&client, &apply).await, 1);
+        assert_eq!(run(&client, &apply).await, 2);
 
-        let stale = get(&client, &keys.value)
-            .await
-            .expect("kept for the grace window");
+        let stale = get(&client, &keys.value).await.expect("kept");
         assert_eq!(stale.body(), found.body());
         assert!(stale.fresh_until() <= now_millis());
+        assert!(!stale.is_invalidated(), "served stale in the grace window");
+        // Kept as the fail-safe copy past the grace window.
         let ttl: i64 = client.pttl(&keys.value).await.unwrap();
-        assert!(ttl > 0 && ttl <= 5_000, "{ttl}");
-        assert_eq!(get(&client, &keys.fail_safe).await, None);
+        assert!(ttl > 590_000, "{ttl}");
+        // A backoff copy is not refreshed in the grace window: it is
+        // invalidated, so that the next read loads.
+        let copy = get(&client, &backoff_keys.value).await.expect("kept");
+        assert!(copy.is_invalidated() && !copy.is_backoff());
+        assert_eq!(copy.body(), found.body());
         clean(&client, &prefix).await;
     }
 }

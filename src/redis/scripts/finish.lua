@@ -16,9 +16,27 @@ end
 local function u64(s, at) return u(s, at, 8) end
 -- When the load of an entry began reading (stored_at less the load time).
 local function read_at(s) return u64(s, $STORED_AT) - math.ceil(u(s, $LOAD_AT, 4) / 1000) end
-local function backoff(s)
-  return string.sub(s, 1, $FLAGS - 1) .. string.char(bit.bor(string.byte(s, $FLAGS), $BACKOFF)) .. string.sub(s, $FLAGS + 1)
+local function has(s, flag) return bit.band(string.byte(s, $FLAGS), flag) ~= 0 end
+-- n as 8 big-endian bytes (exact below 2^53: unix milliseconds are).
+local function be64(n)
+  local bytes = {}
+  for i = 8, 1, -1 do
+    bytes[i] = string.char(n % 256)
+    n = math.floor(n / 256)
+  end
+  return table.concat(bytes)
 end
+-- A copy re-served after a failed load until `until_ms`: flagged BACKOFF, no
+-- longer INVALIDATED (it is served on purpose).
+local function backoff(s, until_ms)
+  local flags = bit.band(bit.bor(string.byte(s, $FLAGS), $BACKOFF), bit.bnot($INVALIDATED))
+  return string.sub(s, 1, $FLAGS - 1) .. string.char(flags)
+    .. string.sub(s, $FLAGS + 1, $BACKOFF_UNTIL - 1) .. be64(until_ms)
+    .. string.sub(s, $BACKOFF_UNTIL + 8)
+end
+-- A copy of the item: a found entry, or a not-found one (a tombstone: the
+-- item existed, or a negative entry, which is as good).
+local function is_copy(s) return status(s) == $FOUND or status(s) == $NOT_FOUND end
 
 local function finish_one(K, A)
   local entry = A.entry
@@ -37,50 +55,53 @@ local function finish_one(K, A)
     return {released, A.retry, 1}
   end
   -- The entry there now: needed unless this leader holds the lock and
-  -- stores what it read (it then writes whatever is there).
+  -- stores a found entry or a marker (it then writes whatever is there).
   local current = nil
-  if not ours or status(entry) == $FAILED then
+  if not ours or status(entry) == $FAILED or status(entry) == $NOT_FOUND then
     current = redis.call('GET', K.value)
     if not valid(current) then current = nil end
   end
   local may_write = ours or (not holder and (not current or u64(current, $STORED_AT) <= u64(entry, $STORED_AT)))
   local payload = entry
   local publish = true
+  local now = tonumber(A.now)
   if not may_write then
     if current then payload = current else publish = false end
   elseif status(entry) == $FAILED then
-    if current and status(current) ~= $FAILED and u64(current, $FRESH_UNTIL) > tonumber(A.now)
-        and read_at(current) >= tonumber(A.cutoff) then
+    if current and status(current) ~= $FAILED and not has(current, $INVALIDATED)
+        and u64(current, $FRESH_UNTIL) > now and read_at(current) >= tonumber(A.cutoff) then
       payload = current
     else
-      -- The last good copy: the value (a found entry past freshness), else
-      -- the fail-safe copy (found, or the tombstone of a deleted item);
-      -- never one read before the cutoff of `invalidate --all`.
+      -- The last good copy: what the value key keeps past freshness (found,
+      -- or the tombstone of a deleted item), invalidated by a change or
+      -- not; never one read before the cutoff of `invalidate --all`.
       local copy = nil
-      if current and status(current) == $FOUND then
+      if current and is_copy(current) and read_at(current) >= tonumber(A.cutoff) then
         copy = current
-      else
-        copy = redis.call('GET', K.fail_safe)
-        if not (valid(copy) and status(copy) ~= $FAILED) then copy = nil end
       end
-      if copy and read_at(copy) < tonumber(A.cutoff) then copy = nil end
-      if copy then payload = backoff(copy) end
-      if tonumber(A.failure_ms) > 0 then
-        redis.call('SET', K.value, payload, 'PX', A.failure_ms)
+      local failure_ms = tonumber(A.failure_ms)
+      if copy then
+        -- FAILURE_TTL off: nothing is stored, and the copy is only this
+        -- finish's message, which its waiters judge as it arrives.
+        payload = backoff(copy, now + (failure_ms > 0 and failure_ms or 1000))
+        if failure_ms > 0 then
+          -- As long as the copy had left, and at least the backoff.
+          local left = redis.call('PTTL', K.value)
+          redis.call('SET', K.value, payload, 'PX', math.max(left, failure_ms))
+        end
+      elseif failure_ms > 0 then
+        redis.call('SET', K.value, payload, 'PX', failure_ms)
       end
     end
   else
-    if tonumber(A.value_ms) > 0 then
-      redis.call('SET', K.value, entry, 'PX', A.value_ms)
+    local ms = tonumber(A.value_ms)
+    -- Not found where a copy of the item was kept: the item existed, and
+    -- this is its tombstone, kept as long as the copy would have been.
+    if status(entry) == $NOT_FOUND and current and is_copy(current) and tonumber(A.tombstone_ms) > ms then
+      ms = tonumber(A.tombstone_ms)
     end
-    if tonumber(A.fail_safe_ms) == 0 then
-      redis.call('DEL', K.fail_safe)
-    elseif status(entry) == $FOUND then
-      redis.call('SET', K.fail_safe, entry, 'PX', A.fail_safe_ms)
-    else
-      -- Not found: a copy kept for an item that existed becomes its
-      -- tombstone; none is made for an item never seen.
-      redis.call('SET', K.fail_safe, entry, 'PX', A.fail_safe_ms, 'XX')
+    if ms > 0 then
+      redis.call('SET', K.value, entry, 'PX', ms)
     end
   end
   if publish then

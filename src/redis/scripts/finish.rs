@@ -14,16 +14,16 @@
 //! older row (or its failure) over the new leader's value: it publishes what
 //! is stored instead (or nothing, when nothing is).
 //!
-//! On success: store the entry (unless its TTL is 0) and, for a found entry,
-//! its fail-safe copy; a not-found entry turns an existing fail-safe copy
-//! into the item's tombstone (or deletes it, MAX_STALE off), so that a
-//! deleted item never comes back from it. On failure: an entry still fresh
-//! is left as it is (a failed refresh never degrades it); otherwise store as
-//! the backoff, for FAILURE_TTL, the last good copy (the value if it is a
-//! found entry, else the fail-safe copy, found or tombstone; never one read
-//! before the cutoff) with its BACKOFF flag set, or else the failure marker.
-//! Then publish what is stored on the ready channel, and release the lock if
-//! it is ours.
+//! On success: store the entry in the value key, which keeps it past its
+//! freshness as the fail-safe copy (see `cache/entry.rs`); a not-found
+//! entry that replaces a copy of the item (it existed) is kept as long as
+//! a copy, as the item's tombstone, so that a deleted item never comes back
+//! from it. On failure: an entry still fresh is left as it is (a failed
+//! refresh never degrades it); otherwise the value, if it is a copy (found,
+//! or a tombstone; never one read before the cutoff), is stored again
+//! flagged BACKOFF until FAILURE_TTL from now, or else the failure marker
+//! for FAILURE_TTL. Then publish what is stored on the ready channel, and
+//! release the lock if it is ours.
 //!
 //! Which TTLs is decided in Rust (`flight::freshness::store_for`); which copy, here,
 //! because only Redis knows what is stored at the moment of the finish.
@@ -41,7 +41,7 @@ use crate::cache::{now_millis, Entry, ItemKeys};
 
 layout! {
     /// The finish's KEYS.
-    Keys { value, lock, fail_safe, fence }
+    Keys { value, lock, fence }
 }
 
 layout! {
@@ -55,8 +55,9 @@ layout! {
         token,
         /// The ready channel.
         channel,
-        /// The fail-safe copy's TTL, ms (0: none).
-        fail_safe_ms,
+        /// A not-found entry's TTL when it replaces a copy of the item, ms
+        /// (0: as `value_ms`).
+        tombstone_ms,
         /// FAILURE_TTL, ms: the backoff after a failure.
         failure_ms,
         /// PUBLISH, or SPUBLISH on a Redis Cluster (the channel shares the
@@ -97,10 +98,11 @@ pub(super) fn many_lua() -> String {
 /// the read path's store policy (`flight::freshness::store_for`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreFor {
-    /// The value key.
+    /// The value key (a found entry: freshness, then its life as the
+    /// fail-safe copy).
     pub value: Duration,
-    /// The fail-safe copy.
-    pub fail_safe: Duration,
+    /// A not-found entry that replaces a copy of the item: its tombstone.
+    pub tombstone: Duration,
     /// The backoff after a failure: the failure marker, or the last good copy
     /// flagged BACKOFF.
     pub failure: Duration,
@@ -146,7 +148,6 @@ impl Call for Finish<'_> {
         Keys {
             value: k.value.as_str(),
             lock: &k.lock,
-            fail_safe: &k.fail_safe,
             fence: &k.fence,
         }
         .into_vec()
@@ -158,7 +159,7 @@ impl Call for Finish<'_> {
             value_ms: Value::Integer(super::ms(self.store.value)),
             token: Value::from(self.token),
             channel: Value::from(self.keys.channel.as_str()),
-            fail_safe_ms: Value::Integer(super::ms(self.store.fail_safe)),
+            tombstone_ms: Value::Integer(super::ms(self.store.tombstone)),
             failure_ms: Value::Integer(super::ms(self.store.failure)),
             publish: Value::from(if self.sharded { "SPUBLISH" } else { "PUBLISH" }),
             now: Value::Integer(now_millis() as i64),

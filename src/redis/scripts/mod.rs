@@ -131,7 +131,9 @@ fn with_layout(lua: &str) -> String {
         .replace("$FOUND", &entry::STATUS_FOUND.to_string())
         .replace("$NOT_FOUND", &entry::STATUS_NOT_FOUND.to_string())
         .replace("$FAILED", &entry::STATUS_FAILED.to_string())
+        .replace("$BACKOFF_UNTIL", &at(entry::BACKOFF_UNTIL_AT))
         .replace("$BACKOFF", &entry::FLAG_BACKOFF.to_string())
+        .replace("$INVALIDATED", &entry::FLAG_INVALIDATED.to_string())
 }
 
 /// The scripts, loaded on every connection.

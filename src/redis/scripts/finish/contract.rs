@@ -16,7 +16,7 @@ const MINUTE: Duration = Duration::from_secs(60);
 fn store() -> StoreFor {
     StoreFor {
         value: MINUTE,
-        fail_safe: 2 * MINUTE,
+        tombstone: 2 * MINUTE,
         failure: Duration::from_secs(5),
     }
 }
@@ -39,6 +39,24 @@ fn found(body: &str) -> Entry {
 
 async fn put(client: &Client, key: &str, value: impl Into<Value> + Send) {
     let _: () = client.set(key, value, None, None, false).await.unwrap();
+}
+
+/// Stores `entry` under `key` for `ttl_ms`.
+async fn put_for(client: &Client, key: &str, entry: &Entry, ttl_ms: i64) {
+    let _: () = client
+        .set(
+            key,
+            entry.raw().clone(),
+            Some(fred::types::Expiration::PX(ttl_ms)),
+            None,
+            false,
+        )
+        .await
+        .unwrap();
+}
+
+async fn pttl(client: &Client, key: &str) -> i64 {
+    client.pttl(key).await.unwrap()
 }
 
 async fn get(client: &Client, key: &str) -> Option<Entry> {
@@ -82,7 +100,9 @@ async fn the_holder_stores_publishes_and_releases() {
     );
     assert_eq!(message.as_ref(), Some(entry.raw()));
     assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&entry));
-    assert_eq!(get(&client, &keys.fail_safe).await.as_ref(), Some(&entry));
+    // One key, the body stored once, for as long as the store policy said.
+    let ttl = pttl(&client, &keys.value).await;
+    assert!((50_000..=60_000).contains(&ttl), "{ttl}");
     let lock: Option<String> = client.get(&keys.lock).await.unwrap();
     assert_eq!(lock, None);
     clean(&client, &prefix).await;
@@ -210,7 +230,7 @@ async fn a_lost_lock_publishes_what_is_stored_or_nothing() {
 }
 
 #[tokio::test]
-async fn a_failure_keeps_a_fresh_entry_else_serves_a_backoff_copy_else_a_marker() {
+async fn a_failure_keeps_a_fresh_entry_else_serves_the_copy_as_backoff_else_a_marker() {
     let (client, prefix) = redis().await;
     let keys = Names::new(&prefix, "post").item(4);
     let failed = Entry::new(Status::Failed, &[], Duration::ZERO, Duration::ZERO);
@@ -221,7 +241,8 @@ async fn a_failure_keeps_a_fresh_entry_else_serves_a_backoff_copy_else_a_marker(
     let reply = run(&client, &finish(&keys, &failed, "")).await;
     assert_eq!(reply.published.as_ref(), Some(&fresh));
 
-    // Past freshness: the found value comes back flagged as backoff.
+    // Past freshness, kept as the fail-safe copy: it comes back flagged as
+    // backoff until FAILURE_TTL from now, and stays as long as it had left.
     let now = now_millis();
     let past = Entry::stamped(
         Status::Found,
@@ -230,33 +251,52 @@ async fn a_failure_keeps_a_fresh_entry_else_serves_a_backoff_copy_else_a_marker(
         now - 1_000,
         Duration::ZERO,
     );
-    put(&client, &keys.value, past.raw().clone()).await;
+    put_for(&client, &keys.value, &past, 600_000).await;
     let published = run(&client, &finish(&keys, &failed, ""))
         .await
         .published
         .unwrap();
     assert!(published.is_backoff());
+    let until = published.backoff_until();
+    assert!(
+        (now + 5_000..=now_millis() + 5_000).contains(&until),
+        "{until}"
+    );
     assert_eq!(published.body(), past.body());
     assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&published));
+    assert!(pttl(&client, &keys.value).await > 590_000);
 
-    // No value: the fail-safe copy (here a deleted post's tombstone)
-    // comes back flagged as backoff, unless it was read before the cutoff.
-    let _: i64 = client.del(&keys.value).await.unwrap();
+    // Invalidated by a change: still the last good copy, served on purpose
+    // (no longer flagged invalidated); a copy with little life left is kept
+    // for the whole backoff.
+    put_for(&client, &keys.value, &past.as_invalidated(), 100).await;
+    let published = run(&client, &finish(&keys, &failed, ""))
+        .await
+        .published
+        .unwrap();
+    assert!(published.is_backoff() && !published.is_invalidated());
+    assert_eq!(published.body(), past.body());
+    let ttl = pttl(&client, &keys.value).await;
+    assert!((4_000..=5_000).contains(&ttl), "{ttl}");
+
+    // A deleted post's tombstone comes back as a backoff 404, unless it was
+    // read before the cutoff.
     let tombstone = Entry::stamped(
         Status::NotFound,
         &[],
         now - 2_000,
         now - 1_000,
         Duration::ZERO,
-    );
-    put(&client, &keys.fail_safe, tombstone.raw().clone()).await;
+    )
+    .as_invalidated();
+    put_for(&client, &keys.value, &tombstone, 600_000).await;
     let published = run(&client, &finish(&keys, &failed, ""))
         .await
         .published
         .unwrap();
     assert!(published.is_backoff());
     assert_eq!(published.status(), Status::NotFound);
-    let _: i64 = client.del(&keys.value).await.unwrap();
+    put_for(&client, &keys.value, &tombstone, 600_000).await;
     let after_cutoff = Finish {
         cutoff: now,
         ..finish(&keys, &failed, "")
@@ -264,17 +304,44 @@ async fn a_failure_keeps_a_fresh_entry_else_serves_a_backoff_copy_else_a_marker(
     let published = run(&client, &after_cutoff).await.published.unwrap();
     assert_eq!(published.status(), Status::Failed, "read before the cutoff");
 
-    // No good copy at all: the failure marker, stored for FAILURE_TTL.
-    let _: i64 = client
-        .del(vec![keys.value.as_str(), &keys.fail_safe])
-        .await
-        .unwrap();
+    // No copy at all: the failure marker, stored for FAILURE_TTL.
+    let _: i64 = client.del(&keys.value).await.unwrap();
     let published = run(&client, &finish(&keys, &failed, ""))
         .await
         .published
         .unwrap();
     assert_eq!(published.status(), Status::Failed);
-    let ttl: i64 = client.pttl(&keys.value).await.unwrap();
+    let ttl = pttl(&client, &keys.value).await;
     assert!(ttl > 0 && ttl <= 5_000, "{ttl}");
+    clean(&client, &prefix).await;
+}
+
+#[tokio::test]
+async fn a_not_found_entry_over_a_copy_is_kept_as_the_tombstone() {
+    let (client, prefix) = redis().await;
+    let names = Names::new(&prefix, "post");
+    let (existed, never) = (names.item(5), names.item(6));
+    let not_found = Entry::new(Status::NotFound, &[], MINUTE, Duration::ZERO);
+    put(&client, &existed.lock, "ours").await;
+    put(&client, &never.lock, "ours").await;
+    put_for(
+        &client,
+        &existed.value,
+        &found("old").as_invalidated(),
+        600_000,
+    )
+    .await;
+
+    for keys in [&existed, &never] {
+        let reply = run(&client, &finish(keys, &not_found, "")).await;
+        assert_eq!(reply.published.as_ref(), Some(&not_found));
+        assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&not_found));
+    }
+    // The item existed: kept as long as a copy (`tombstone`, 2 minutes), so
+    // that its old body never comes back; never seen: for its freshness.
+    let ttl = pttl(&client, &existed.value).await;
+    assert!((110_000..=120_000).contains(&ttl), "{ttl}");
+    let ttl = pttl(&client, &never.value).await;
+    assert!((50_000..=60_000).contains(&ttl), "{ttl}");
     clean(&client, &prefix).await;
 }
