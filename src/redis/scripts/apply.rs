@@ -197,7 +197,7 @@ mod contract {
     use super::*;
     use crate::{
         cache::{Keys as Names, Status},
-        redis::scripts::contract::{clean, names_read, redis, run},
+        redis::scripts::contract::{clean, names_read, put_for, redis, run},
     };
 
     const MINUTE: Duration = Duration::from_secs(60);
@@ -228,19 +228,6 @@ mod contract {
         assert_eq!(names_read(&lua, 'A'), sent);
     }
 
-    async fn put(client: &Client, key: &str, entry: &Entry, ttl_ms: i64) {
-        let _: () = client
-            .set(
-                key,
-                entry.raw().clone(),
-                Some(fred::types::Expiration::PX(ttl_ms)),
-                None,
-                false,
-            )
-            .await
-            .unwrap();
-    }
-
     #[tokio::test]
     async fn changes_fence_and_keep_the_body_as_the_fail_safe_copy_once() {
         let (client, prefix) = redis().await;
@@ -250,9 +237,9 @@ mod contract {
         let found = Entry::new(Status::Found, b"old", MINUTE, Duration::ZERO);
         let tombstone = Entry::new(Status::NotFound, &[], MINUTE, Duration::ZERO);
         for keys in [&changed, &deleted] {
-            put(&client, &keys.value, &found, 600_000).await;
+            put_for(&client, &keys.value, &found, 600_000).await;
         }
-        put(&client, &negative.value, &tombstone, 600_000).await;
+        put_for(&client, &negative.value, &tombstone, 600_000).await;
         let items = [
             (&changed, 10, ChangeKind::Changed),
             (&deleted, 11, ChangeKind::Deleted),
@@ -344,8 +331,8 @@ mod contract {
         let found = Entry::new(Status::Found, b"body", MINUTE, Duration::ZERO);
         let backoff = found.as_backoff(now_millis() + 60_000);
         let tombstone = Entry::new(Status::NotFound, &[], MINUTE, Duration::ZERO);
-        put(&client, &keys.value, &found, 600_000).await;
-        put(&client, &backoff_keys.value, &backoff, 600_000).await;
+        put_for(&client, &keys.value, &found, 600_000).await;
+        put_for(&client, &backoff_keys.value, &backoff, 600_000).await;
         let items = [
             (&keys, 20, ChangeKind::Changed),
             (&backoff_keys, 21, ChangeKind::Changed),

@@ -259,6 +259,20 @@ mod contract {
             .and_then(|m| m.value.into_bytes())
     }
 
+    /// Stores `entry` under `key` for `ttl_ms`, as a finish would.
+    pub async fn put_for(client: &Client, key: &str, entry: &crate::cache::Entry, ttl_ms: i64) {
+        let _: () = client
+            .set(
+                key,
+                entry.raw().clone(),
+                Some(fred::types::Expiration::PX(ttl_ms)),
+                None,
+                false,
+            )
+            .await
+            .unwrap();
+    }
+
     /// Deletes the test's keys.
     pub async fn clean(client: &Client, prefix: &str) {
         let list = fred::types::CustomCommand::new_static("KEYS", None::<u16>, false);

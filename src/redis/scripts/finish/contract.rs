@@ -8,7 +8,7 @@ use fred::prelude::*;
 use super::*;
 use crate::{
     cache::{Keys as Names, Status},
-    redis::scripts::contract::{clean, heard, names_read, redis, run},
+    redis::scripts::contract::{clean, heard, names_read, put_for, redis, run},
 };
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -39,20 +39,6 @@ fn found(body: &str) -> Entry {
 
 async fn put(client: &Client, key: &str, value: impl Into<Value> + Send) {
     let _: () = client.set(key, value, None, None, false).await.unwrap();
-}
-
-/// Stores `entry` under `key` for `ttl_ms`.
-async fn put_for(client: &Client, key: &str, entry: &Entry, ttl_ms: i64) {
-    let _: () = client
-        .set(
-            key,
-            entry.raw().clone(),
-            Some(fred::types::Expiration::PX(ttl_ms)),
-            None,
-            false,
-        )
-        .await
-        .unwrap();
 }
 
 async fn pttl(client: &Client, key: &str) -> i64 {
