@@ -34,6 +34,12 @@
 //! the other's entries, and a message it cannot read makes a waiter look
 //! again, so neither waits on the other past one look.
 //!
+//! While a leader loads an item nobody had stored (the key absent), the
+//! value key holds its claim instead of an entry: [`CLAIM_PREFIX`] and the
+//! leader's token, taken with `SET NX GET` (a memcache lease), so that the
+//! lock, the value and the claim's lifetime are one key. Its first byte is
+//! no version: readers take it for a miss and wait for its holder.
+//!
 //! Anything that does not decode is treated by callers as absent (a miss),
 //! never as an error to the client.
 
@@ -70,6 +76,23 @@ pub const FLAG_BACKOFF: u8 = 1;
 /// readers; kept as the fail-safe copy (a deleted item's is a not-found
 /// entry, so that its old body never comes back).
 pub const FLAG_INVALIDATED: u8 = 2;
+
+/// The start of a leader's claim in a value key (see above): a NUL, never
+/// an envelope's version byte, then a name for people reading the key.
+pub const CLAIM_PREFIX: &str = "\0claim:";
+
+/// Whether `raw` is a leader's claim, not an entry.
+pub fn is_claim(raw: &[u8]) -> bool {
+    raw.starts_with(CLAIM_PREFIX.as_bytes())
+}
+
+/// The claim of the leader holding `token`.
+pub fn claim_of(token: &str) -> String {
+    let mut claim = String::with_capacity(CLAIM_PREFIX.len() + token.len());
+    claim.push_str(CLAIM_PREFIX);
+    claim.push_str(token);
+    claim
+}
 
 /// What a load found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -4,6 +4,6 @@ pub(crate) mod entry;
 mod keys;
 mod ttl;
 
-pub use entry::{now_millis, DecodeError, Entry, Status};
+pub use entry::{claim_of, is_claim, now_millis, DecodeError, Entry, Status, CLAIM_PREFIX};
 pub use keys::{ItemKeys, Keys};
 pub use ttl::Jitter;

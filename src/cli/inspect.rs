@@ -6,7 +6,8 @@
 //! long fresh, how long its load took), shown as the value while reads are
 //! served from it and as the fail-safe copy while it is a copy of the item
 //! (the one key keeps both, see `cache/entry.rs`), the TTLs of the value
-//! and of the lock, a short prefix of the lock holder's token
+//! and of the lock (a leader's claim in the value key while it loads a post
+//! nobody had stored), a short prefix of the lock holder's token
 //! (enough to tell two holders apart in logs, not to steal the lock), the
 //! item's change fence, the ready channel's subscribers (requests waiting
 //! on another's load) and the fleet's cutoff (`invalidate --all`).
@@ -185,6 +186,11 @@ impl Inspection {
             (None, None, false) => EntryStatus::Absent,
         };
         let lock = snapshot.lock;
+        let lock_key = if snapshot.lock_in_value {
+            item.value.clone()
+        } else {
+            item.lock
+        };
         Self {
             id,
             status,
@@ -196,7 +202,7 @@ impl Inspection {
                 entry: copy.map(|e| EntryView::new(e, cutoff, now)),
             },
             lock: Lock {
-                key: item.lock,
+                key: lock_key,
                 held: lock.is_some(),
                 ttl_ms: ttl(snapshot.lock_ttl),
                 holder: lock.map(|token| token.chars().take(TOKEN_PREFIX_LEN).collect()),
@@ -337,8 +343,13 @@ impl fmt::Display for Inspection {
         match &self.lock.holder {
             Some(holder) => writeln!(
                 f,
-                "  lock {}: held by {holder}…, {}",
+                "  lock {}{}: held by {holder}…, {}",
                 self.lock.key,
+                if self.lock.key == self.value.key {
+                    " (a claim in the value key)"
+                } else {
+                    ""
+                },
                 expiry(self.lock.ttl_ms)
             )?,
             None => writeln!(f, "  lock {}: free", self.lock.key)?,

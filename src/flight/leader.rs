@@ -19,7 +19,7 @@ use crate::{
     cache::{now_millis, Entry, ItemKeys, Status},
     redis::{
         with_backoff, Before, Finish, Finished, LockOp, OnLock, RedisCommands, RedisError,
-        StoreFor, RETRY_FIRST,
+        StoreFor, ValueClaim, RETRY_FIRST,
     },
     telemetry::metrics,
 };
@@ -317,6 +317,13 @@ impl<'a, S: Source> Leader<'a, S> {
     /// What a finish that went through means for this flight.
     fn finished(&self, finished: Finished, entry: Entry, too_large: Option<Entry>) -> Led {
         let key = self.key;
+        let Some(published) = finished.published else {
+            // (A claim in the value key that a change deleted is not ours
+            // to release either: not a lost lock.)
+            metrics::fenced();
+            tracing::debug!(%key, "a change was applied during the load: fenced");
+            return Led::Fenced(too_large.unwrap_or(entry));
+        };
         if !finished.released {
             // Our lock expired during the load and someone else took it:
             // the finish left their lock alone (token check).
@@ -325,11 +332,6 @@ impl<'a, S: Source> Leader<'a, S> {
                 "lock expired during the load and was not ours to release"
             );
         }
-        let Some(published) = finished.published else {
-            metrics::fenced();
-            tracing::debug!(%key, "a change was applied during the load: fenced");
-            return Led::Fenced(too_large.unwrap_or(entry));
-        };
         // Read before a cutoff raised meanwhile (`invalidate --all`, a
         // truncate): stale already, as a change would have made it.
         if published.read_at() < self.path.cutoff() {
@@ -394,6 +396,30 @@ pub(super) async fn claim<S: Source>(
     };
     let result = path.redis.claim(keys, token, path.settings.lock_ttl).await;
     // An answer, or a refusal by the breaker: nothing went out.
+    attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
+    result
+}
+
+/// Tries to claim the value key of an item nobody has stored with `claim`
+/// (see [`RedisCommands::claim_value`]), under the same guard as [`claim`]:
+/// an attempt left without an answer releases the claim behind it.
+/// `keys.lock` is the value key.
+pub(super) async fn claim_value<S: Source>(
+    path: &ReadPath<S>,
+    keys: &ItemKeys,
+    claim: &str,
+) -> Result<ValueClaim, RedisError> {
+    let mut attempt = Attempt {
+        path,
+        lock: &keys.value,
+        token: claim,
+        answered: false,
+    };
+    let with_fence = path.loader.source().reads_copies();
+    let result = path
+        .redis
+        .claim_value(keys, claim, path.settings.lock_ttl, with_fence)
+        .await;
     attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
     result
 }

@@ -42,14 +42,14 @@ impl<S: Source> ReadPath<S> {
                 .zip(looked)
                 .zip(tickets)
                 .map(|((&at, looked), ticket)| {
-                    let (verdict, redis_up) = self.judge_look_up(looked, now, grace);
+                    let (verdict, looked) = self.judge_look_up(looked, now, grace);
                     let key = keys[at].clone();
                     // A miss: its load is about to queue; a statement waits
                     // for it and the read's other misses (see batch.rs).
                     let expected = (matches!(verdict, Verdict::Miss)
                         && !self.guard_says_missing(&key))
                     .then(|| self.loader.expect(&key));
-                    let read = self.after_look_up(key, now, verdict, redis_up, ticket);
+                    let read = self.after_look_up(key, now, verdict, looked, ticket);
                     async move {
                         let answer = read.await;
                         drop(expected);

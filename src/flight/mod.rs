@@ -95,6 +95,17 @@ use crate::{
     redis::{RedisCommands, RedisError, Subscriber},
 };
 
+/// What a first look in Redis says beside its verdict.
+#[derive(Debug, Clone, Copy)]
+struct Looked {
+    /// Redis is worth trying again (for the lock) when there is nothing to
+    /// serve: not known down.
+    redis_up: bool,
+    /// No entry was found in the value key (nothing, a leader's claim, or
+    /// bytes that are not an entry): a flight claims the value key itself.
+    absent: bool,
+}
+
 /// The read path of one process.
 pub struct ReadPath<S: Source> {
     loader: Loader<S>,
@@ -259,13 +270,12 @@ impl<S: Source> ReadPath<S> {
     async fn get_from_redis(self: &Arc<Self>, key: S::Key, now: u64) -> Result<Answer, ReadError> {
         let grace = self.settings.stale_while_revalidate;
         let ticket = self.memory.ticket(&key);
-        let (verdict, redis_up) = Box::pin(self.look_up(&key, now, grace)).await;
-        self.after_look_up(key, now, verdict, redis_up, ticket)
-            .await
+        let (verdict, looked) = Box::pin(self.look_up(&key, now, grace)).await;
+        self.after_look_up(key, now, verdict, looked, ticket).await
     }
 
-    /// What follows the first look in Redis (`verdict`; `redis_up`: worth
-    /// trying again for the lock): serve it, or this process's flight.
+    /// What follows the first look in Redis (`verdict`, and what the look
+    /// says of Redis and of the key): serve it, or this process's flight.
     /// `ticket` was taken before the look (see memory.rs). The memory tier
     /// keeps nothing older than what is served (see memory.rs), and a post
     /// served found is known to the existence guard (see guard.rs).
@@ -274,11 +284,11 @@ impl<S: Source> ReadPath<S> {
         key: S::Key,
         now: u64,
         verdict: Verdict,
-        redis_up: bool,
+        looked: Looked,
         ticket: memory::Ticket,
     ) -> Result<Answer, ReadError> {
         let answer = self
-            .answer_after_look_up(key.clone(), now, verdict, redis_up, ticket)
+            .answer_after_look_up(key.clone(), now, verdict, looked, ticket)
             .await;
         if let Ok(answer) = &answer {
             // What this process serves from now on is no older.
@@ -297,7 +307,7 @@ impl<S: Source> ReadPath<S> {
         key: S::Key,
         now: u64,
         verdict: Verdict,
-        redis_up: bool,
+        looked: Looked,
         ticket: memory::Ticket,
     ) -> Result<Answer, ReadError> {
         let span = tracing::Span::current();
@@ -342,12 +352,12 @@ impl<S: Source> ReadPath<S> {
         }
         // Boxed: a hit in Redis never makes it.
         Box::pin(self.in_flight(key, move |this, key| async move {
-            if !redis_up {
+            if !looked.redis_up {
                 return this.loader.bypass(&key).await;
             }
             // Taken before anything of the flight is read (see memory.rs).
             let ticket = this.memory.ticket(&key);
-            let outcome = Flight::new(&this, &key).run().await;
+            let outcome = Flight::new(&this, &key, looked.absent).run().await;
             if let Ok(answer) = &outcome {
                 this.keep_in_memory(&key, answer, &ticket);
             }
@@ -393,9 +403,8 @@ impl<S: Source> ReadPath<S> {
         }
     }
 
-    /// The first GET and its verdict, with whether Redis is worth trying
-    /// again (for the lock) when there is nothing to serve.
-    async fn look_up(&self, key: &S::Key, now: u64, grace: Duration) -> (Verdict, bool) {
+    /// The first GET and its verdict, with what it says of Redis and the key.
+    async fn look_up(&self, key: &S::Key, now: u64, grace: Duration) -> (Verdict, Looked) {
         let looked = self.redis.lookup(&self.keys.value(key)).await;
         self.judge_look_up(looked, now, grace)
     }
@@ -406,21 +415,27 @@ impl<S: Source> ReadPath<S> {
         looked: Result<Option<crate::cache::Entry>, RedisError>,
         now: u64,
         grace: Duration,
-    ) -> (Verdict, bool) {
+    ) -> (Verdict, Looked) {
+        let (redis_up, absent) = (true, true);
         match looked {
-            Ok(entry) => (judge(entry, now, grace, self.cutoff()), true),
+            Ok(entry) => {
+                let absent = entry.is_none();
+                let verdict = judge(entry, now, grace, self.cutoff());
+                (verdict, Looked { redis_up, absent })
+            }
             // Redis known down: straight to the source (still one load per
             // key in this process, through the flight).
             Err(error @ RedisError::CircuitOpen) => {
                 tracing::debug!(%error, "failing open");
-                (Verdict::Miss, false)
+                let redis_up = false;
+                (Verdict::Miss, Looked { redis_up, absent })
             }
             // One failed GET does not prove Redis down: the flight still tries
             // the lock, and fails open if that fails too (by then the breaker
             // counts the failures and opens).
             Err(error) => {
                 tracing::warn!(%error, "redis lookup failed");
-                (Verdict::Miss, true)
+                (Verdict::Miss, Looked { redis_up, absent })
             }
         }
     }

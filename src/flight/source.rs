@@ -54,6 +54,14 @@ pub trait Source: Send + Sync + 'static {
         since: Since,
     ) -> impl Future<Output = Result<Option<Bytes>, LoadError>> + Send;
 
+    /// Whether loads may read a copy that lags the primary (read
+    /// replicas), so that a leader must learn the item's last change (its
+    /// fence) before it loads. `false` (the default): every load reads the
+    /// primary, and a claim reads no fence.
+    fn reads_copies(&self) -> bool {
+        false
+    }
+
     /// The item's number in the existence guard (see guard.rs); `None`
     /// (the default) keeps the item out of it: its misses always load.
     fn ordinal(_key: &Self::Key) -> Option<u64> {

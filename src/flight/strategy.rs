@@ -145,12 +145,12 @@ impl<S: Source> ReadPath<S> {
     /// A baseline's first GET: a fresh entry (no early refresh) or a backoff
     /// copy is served; anything else is a miss, `Err(redis_up)`.
     async fn baseline_look_up(&self, key: &S::Key) -> Result<Outcome, bool> {
-        let (verdict, redis_up) = self.look_up(key, now_millis(), Duration::ZERO).await;
+        let (verdict, looked) = self.look_up(key, now_millis(), Duration::ZERO).await;
         match verdict {
             Verdict::Fresh(entry) => Ok(Answer::new(entry, Served::Hit)),
             Verdict::Backoff(entry) => Ok(Answer::new(entry, Served::Stale)),
             Verdict::StaleInGrace(_) | Verdict::Failed | Verdict::TooLarge | Verdict::Miss => {
-                Err(redis_up)
+                Err(looked.redis_up)
             }
         }
     }

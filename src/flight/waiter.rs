@@ -22,8 +22,8 @@ use super::{
     ReadError, ReadPath, Served, Source,
 };
 use crate::{
-    cache::{now_millis, Entry, ItemKeys},
-    redis::{Before, LockTtl, Notice, RedisError, Subscription, RETRY},
+    cache::{claim_of, now_millis, Entry, ItemKeys},
+    redis::{Before, LockTtl, Notice, RedisError, Subscription, ValueClaim, RETRY},
     telemetry::metrics,
 };
 
@@ -52,8 +52,20 @@ pub(super) struct Flight<'a, S: Source> {
     path: &'a ReadPath<S>,
     key: &'a S::Key,
     keys: ItemKeys,
+    /// `keys` with the value key as the lock: the names a leader uses when
+    /// the election was in the value key (a claim: see `cache/entry.rs`).
+    in_value_keys: ItemKeys,
     /// This flight's lock token (a new one after its leader is fenced).
     token: String,
+    /// The same token as a claim in the value key.
+    claim: String,
+    /// Whether the next election claims the value key (the last look found
+    /// no entry there, so the claim should find it absent) rather than the
+    /// lock key (an entry kept past its freshness is there).
+    claim_value: bool,
+    /// Whether the last election was in the value key: its leader's lock,
+    /// whose lifetime bounds a wait.
+    in_value: bool,
     wait: Wait,
     listener: Option<Listener>,
     /// The hard bound of every Redis step.
@@ -69,13 +81,24 @@ pub(super) struct Flight<'a, S: Source> {
 }
 
 impl<'a, S: Source> Flight<'a, S> {
-    pub fn new(path: &'a ReadPath<S>, key: &'a S::Key) -> Self {
+    /// `absent`: the first look found no entry in the value key.
+    pub fn new(path: &'a ReadPath<S>, key: &'a S::Key, absent: bool) -> Self {
         let deadline = Instant::now() + path.settings.wait_timeout;
+        let keys = path.keys.item(key);
+        let in_value_keys = ItemKeys {
+            lock: keys.value.clone(),
+            ..keys.clone()
+        };
+        let token = lock_token();
         Self {
             path,
             key,
-            keys: path.keys.item(key),
-            token: lock_token(),
+            keys,
+            in_value_keys,
+            claim: claim_of(&token),
+            token,
+            claim_value: absent,
+            in_value: false,
             wait: Wait::new(deadline),
             listener: None,
             hard: (deadline + path.settings.redis_timeout).into(),
@@ -95,8 +118,8 @@ impl<'a, S: Source> Flight<'a, S> {
             }
             event = match step {
                 Step::Elect => {
-                    let attempt = leader::claim(self.path, &self.keys, &self.token);
-                    match bounded(self.hard, attempt).await {
+                    let hard = self.hard;
+                    match bounded(hard, self.elect()).await {
                         Ok(claimed) => {
                             let won = claimed.is_some();
                             if !won {
@@ -117,11 +140,17 @@ impl<'a, S: Source> Flight<'a, S> {
                         entry: None,
                         fence: String::new(),
                     });
-                    let led = Leader::elected(self.path, self.key, &self.keys, &self.token)
+                    let (keys, token) = if self.in_value {
+                        (&self.in_value_keys, &self.claim)
+                    } else {
+                        (&self.keys, &self.token)
+                    };
+                    let led = Leader::elected(self.path, self.key, keys, token)
                         .lead(before, None)
                         .await;
                     if matches!(led, Led::Fenced(_)) {
                         self.token = lock_token();
+                        self.claim = claim_of(&self.token);
                     }
                     Event::Led(led)
                 }
@@ -135,7 +164,10 @@ impl<'a, S: Source> Flight<'a, S> {
                 Step::Look => {
                     self.looked_at = now_millis();
                     match bounded(self.hard, self.path.redis.lookup(&self.keys.value)).await {
-                        Ok(entry) => Event::Looked(self.judge(entry)),
+                        Ok(entry) => {
+                            self.claim_value = entry.is_none();
+                            Event::Looked(self.judge(entry))
+                        }
                         Err(failed) => self.failed(failed),
                     }
                 }
@@ -147,6 +179,29 @@ impl<'a, S: Source> Flight<'a, S> {
                 Step::End(end) => return self.end(end).await,
             };
         }
+    }
+
+    /// One election: in the value key if the last look found it empty (one
+    /// command, no script), else, or if an entry landed there meanwhile,
+    /// in the lock key. `Some` with what the leader must see when won.
+    async fn elect(&mut self) -> Result<Option<Before>, RedisError> {
+        if self.claim_value {
+            let claimed = leader::claim_value(self.path, &self.in_value_keys, &self.claim).await?;
+            match claimed {
+                ValueClaim::Won { fence } => {
+                    self.in_value = true;
+                    return Ok(Some(Before { entry: None, fence }));
+                }
+                ValueClaim::Held => {
+                    self.in_value = true;
+                    return Ok(None);
+                }
+                // Looked at again before the next election.
+                ValueClaim::Stored => self.claim_value = false,
+            }
+        }
+        self.in_value = false;
+        leader::claim(self.path, &self.keys, &self.token).await
     }
 
     /// The event a failed step makes: fail open, or (past the hard bound)
@@ -182,7 +237,14 @@ impl<'a, S: Source> Flight<'a, S> {
         let (path, keys) = (self.path, &self.keys);
         // Sleep no longer than the lock lives: a leader that dies without
         // publishing is replaced once its lock expires (+1 ms to be past it).
-        let lock_left = match path.redis.pttl(&keys.lock).await? {
+        // A claim in the value key lives as long as its leader's lock (and
+        // an entry there, stored meanwhile, sends its message).
+        let lock = if self.in_value {
+            &keys.value
+        } else {
+            &keys.lock
+        };
+        let lock_left = match path.redis.pttl(lock).await? {
             // Released meanwhile: look and try again now.
             LockTtl::Absent => return Ok(None),
             LockTtl::Expires(left) => left + Duration::from_millis(1),

@@ -225,6 +225,10 @@ fn connection_lost(error: &sqlx::Error) -> bool {
 impl crate::flight::Source for PostStore {
     type Key = i64;
 
+    fn reads_copies(&self) -> bool {
+        self.replicas.is_some()
+    }
+
     async fn load(
         &self,
         id: &i64,

@@ -9,7 +9,10 @@ mod lookup;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
-use fred::{prelude::*, types::Expiration};
+use fred::{
+    prelude::*,
+    types::{Expiration, SetOptions},
+};
 use tokio::sync::oneshot;
 use tokio_util::task::AbortOnDropHandle;
 
@@ -18,11 +21,11 @@ use super::{
     coalesce::{again, queued_reply, Turn},
     error::{error_label, guarded, is_moved, RedisError},
     nodes::{self, Nodes},
-    queued::{QueuedClaim, QueuedFinish},
+    queued::{QueuedClaim, QueuedFinish, QueuedValueClaim},
     scripts::{ms, Call, Claim, ClaimKeys, ClaimMany, Claimed, Finish, Finished, Scripts},
 };
 use crate::{
-    cache::{Entry, ItemKeys},
+    cache::{is_claim, Entry, ItemKeys},
     telemetry::metrics,
 };
 use lookup::decoded;
@@ -44,6 +47,21 @@ pub enum LockTtl {
 pub struct Before {
     pub entry: Option<Entry>,
     pub fence: String,
+}
+
+/// What a claim of an item's value key met (see
+/// [`RedisCommands::claim_value`]).
+#[derive(Debug, PartialEq)]
+pub enum ValueClaim {
+    /// The key was absent and holds our claim now; the change fence (empty
+    /// when none), read in the same round trip, which the finish must find
+    /// unchanged.
+    Won { fence: String },
+    /// Another leader's claim is there: wait for it.
+    Held,
+    /// Something else is stored there (an entry, a copy kept past its
+    /// freshness, bytes of another layout): nothing was taken.
+    Stored,
 }
 
 /// The command clients plus the bound applied to each command.
@@ -256,6 +274,109 @@ impl RedisCommands {
         }))
     }
 
+    /// Claims an item's absent value key for a leader (a memcache lease):
+    /// `SET value <claim> NX GET PX ttl`, which returns what the key held
+    /// and takes it only if it held nothing. One command, no script; the
+    /// lock, the claim's expiry and the value are then one key, and a
+    /// change applied meanwhile deletes the claim, which its finish then
+    /// misses (see `scripts/finish.lua`): no fence to compare.
+    ///
+    /// `with_fence` (loads that may read a lagging replica): a GET of the
+    /// change fence goes in the same pipeline, for the load to include the
+    /// item's last change. It may be read just after a change took the
+    /// claim away; the load, which begins after this reply, includes that
+    /// change anyway. Under the breaker, as a read.
+    pub async fn claim_value(
+        &self,
+        keys: &ItemKeys,
+        claim: &str,
+        ttl: Duration,
+        with_fence: bool,
+    ) -> Result<ValueClaim, RedisError> {
+        let fence = with_fence.then_some(keys.fence.as_str());
+        let item = (keys.value.as_str(), fence, claim, ttl);
+        let claimed = if self.sharded {
+            self.claim_values(&[item]).await.pop()
+        } else {
+            // Batched naturally with the node's other value claims.
+            let node = self.nodes.for_key(&keys.value);
+            let turn = node.value_claims.turn(self, &node, || {
+                let (reply, answer) = oneshot::channel();
+                let queued = QueuedValueClaim {
+                    value: keys.value.clone(),
+                    fence: with_fence.then(|| keys.fence.clone()),
+                    claim: claim.to_owned(),
+                    ttl,
+                    reply,
+                };
+                (queued, answer)
+            });
+            match turn {
+                Turn::Lead(baton) => {
+                    let claimed = self.claim_values(&[item]).await.pop();
+                    drop(baton);
+                    claimed
+                }
+                Turn::Queued(answer) => Some(queued_reply(self, answer).await),
+            }
+        };
+        let claimed = claimed.unwrap_or(Err(RedisError::Reply("claim")))?;
+        metrics::lock_election(matches!(claimed, ValueClaim::Won { .. }));
+        Ok(claimed)
+    }
+
+    /// The value claims of `items` (each its value key, fence key if read,
+    /// claim and TTL; all served by one node) in one pipeline, under the
+    /// node's breaker: each one's reply, in their order.
+    pub(super) async fn claim_values(
+        &self,
+        items: &[(&str, Option<&str>, &str, Duration)],
+    ) -> Vec<Result<ValueClaim, RedisError>> {
+        let Some(&(first, ..)) = items.first() else {
+            return Vec::new();
+        };
+        let sent: Result<Vec<Value>, RedisError> = self
+            .bounded(first, |c| async move {
+                let pipeline = c.pipeline();
+                for &(value, fence, claim, ttl) in items {
+                    let px = Some(Expiration::PX(ms(ttl).max(1)));
+                    let () = pipeline
+                        .set(value, claim, px, Some(SetOptions::NX), true)
+                        .await?;
+                    if let Some(fence) = fence {
+                        let () = pipeline.get(fence).await?;
+                    }
+                }
+                pipeline.all().await
+            })
+            .await;
+        let sent_count: usize = items
+            .iter()
+            .map(|(_, f, ..)| 1 + f.is_some() as usize)
+            .sum();
+        match sent {
+            Ok(replies) if replies.len() == sent_count => {
+                let mut replies = replies.into_iter();
+                items
+                    .iter()
+                    .map(|(_, fence, ..)| {
+                        let held = replies.next().unwrap_or(Value::Null);
+                        let fence = match fence {
+                            Some(_) => replies.next().unwrap_or(Value::Null),
+                            None => Value::Null,
+                        };
+                        value_claim(held, fence)
+                    })
+                    .collect()
+            }
+            Ok(_) => items
+                .iter()
+                .map(|_| Err(RedisError::Reply("claim")))
+                .collect(),
+            Err(error) => items.iter().map(|_| Err(again(&error))).collect(),
+        }
+    }
+
     /// The claims of `items` (on a single Redis) in one call of the claim
     /// script for many: each one's reply, in their order.
     pub(super) async fn claim_batch(
@@ -378,5 +499,107 @@ impl RedisCommands {
             }
         }
         Err(last.expect("at least one primary was asked"))
+    }
+}
+
+/// One value claim's replies: what `SET NX GET` found, and the fence.
+fn value_claim(held: Value, fence: Value) -> Result<ValueClaim, RedisError> {
+    Ok(match held {
+        Value::Null => ValueClaim::Won {
+            fence: match fence {
+                Value::Null => String::new(),
+                fence => fence.into_string().ok_or(RedisError::Reply("claim"))?,
+            },
+        },
+        held => match held.as_bytes() {
+            Some(held) if is_claim(held) => ValueClaim::Held,
+            Some(_) => ValueClaim::Stored,
+            None => return Err(RedisError::Reply("claim")),
+        },
+    })
+}
+
+/// The commands on a real Redis (REDIS_URL, else the local one), under a key
+/// prefix of this test's own.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{claim_of, Keys, Status};
+
+    async fn redis() -> (Client, RedisCommands, String) {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = Client::new(Config::from_url(&url).unwrap(), None, None, None);
+        client.init().await.expect("the tests' Redis is up");
+        let commands = RedisCommands::new(client.clone(), Duration::from_secs(1));
+        let prefix = format!("postcache:commands:{:016x}:", rand::random::<u64>());
+        (client, commands, prefix)
+    }
+
+    #[tokio::test]
+    async fn a_value_claim_takes_an_absent_key_only_and_reads_the_fence() {
+        let (client, commands, prefix) = redis().await;
+        let names = Keys::new(prefix, "post");
+        let (cold, fenced, stored) = (names.item(1), names.item(2), names.item(3));
+        let minute = Duration::from_secs(60);
+        let ours = claim_of("a");
+
+        // Absent: taken, for the lock's lifetime, with no fence.
+        assert_eq!(
+            commands
+                .claim_value(&cold, &ours, minute, true)
+                .await
+                .unwrap(),
+            ValueClaim::Won {
+                fence: String::new()
+            }
+        );
+        let held: Option<String> = client.get(&cold.value).await.unwrap();
+        assert_eq!(held.as_deref(), Some(ours.as_str()));
+        let pttl: i64 = client.pttl(&cold.value).await.unwrap();
+        assert!((50_000..=60_000).contains(&pttl), "{pttl}");
+        // Claimed: another leader's claim is held, and left alone; a lookup
+        // sees no entry.
+        assert_eq!(
+            commands
+                .claim_value(&cold, &claim_of("b"), minute, true)
+                .await
+                .unwrap(),
+            ValueClaim::Held
+        );
+        let held: Option<String> = client.get(&cold.value).await.unwrap();
+        assert_eq!(held.as_deref(), Some(ours.as_str()));
+        assert_eq!(commands.lookup(&cold.value).await.unwrap(), None);
+
+        // A change fenced the item: read with the claim.
+        let _: () = client
+            .set(&fenced.fence, "17", None, None, false)
+            .await
+            .unwrap();
+        assert_eq!(
+            commands
+                .claim_value(&fenced, &ours, minute, true)
+                .await
+                .unwrap(),
+            ValueClaim::Won { fence: "17".into() }
+        );
+
+        // An entry there (a copy past its freshness, say): nothing taken.
+        let entry = Entry::new(Status::Found, b"{}", minute, Duration::ZERO);
+        commands.store(&stored.value, &entry, minute).await.unwrap();
+        assert_eq!(
+            commands
+                .claim_value(&stored, &ours, minute, true)
+                .await
+                .unwrap(),
+            ValueClaim::Stored
+        );
+        assert_eq!(commands.lookup(&stored.value).await.unwrap(), Some(entry));
+
+        for keys in [&cold, &fenced, &stored] {
+            let _: i64 = client
+                .del(vec![keys.value.clone(), keys.fence.clone()])
+                .await
+                .unwrap();
+        }
     }
 }

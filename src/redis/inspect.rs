@@ -5,7 +5,7 @@ use bytes::Bytes;
 use fred::prelude::*;
 
 use super::{RedisCommands, RedisError};
-use crate::cache::ItemKeys;
+use crate::cache::{is_claim, ItemKeys, CLAIM_PREFIX};
 
 /// What Redis holds under one item's names, read at once (`postcache
 /// inspect`). TTLs are PTTL's replies: -2 absent, -1 no expiry.
@@ -16,6 +16,9 @@ pub struct ItemSnapshot {
     /// The lock holder's token.
     pub lock: Option<String>,
     pub lock_ttl: i64,
+    /// The lock is a leader's claim in the value key (see
+    /// `cache/entry.rs`): `value` is then empty, `lock` its token.
+    pub lock_in_value: bool,
     /// The last change applied to the item, while its fence lives.
     pub fence: Option<String>,
     pub fence_ttl: i64,
@@ -50,11 +53,23 @@ pub async fn snapshot(redis: &RedisCommands, keys: &ItemKeys) -> Result<ItemSnap
     let mut next = || replies.next().unwrap_or(Value::Null);
     let bytes = |v: Value| v.as_bytes().map(Bytes::copy_from_slice);
     let ttl = |v: Value| v.as_i64().unwrap_or(-2);
+    let (value, value_ttl) = (bytes(next()), ttl(next()));
+    let (lock, lock_ttl) = (next().into_string(), ttl(next()));
+    let claim = value
+        .as_ref()
+        .filter(|raw| is_claim(raw))
+        .map(|raw| String::from_utf8_lossy(&raw[CLAIM_PREFIX.len()..]).into_owned());
+    let lock_in_value = claim.is_some();
+    let (value, value_ttl, lock, lock_ttl) = match claim {
+        Some(token) => (None, -2, Some(token), value_ttl),
+        None => (value, value_ttl, lock, lock_ttl),
+    };
     Ok(ItemSnapshot {
-        value: bytes(next()),
-        value_ttl: ttl(next()),
-        lock: next().into_string(),
-        lock_ttl: ttl(next()),
+        value,
+        value_ttl,
+        lock,
+        lock_ttl,
+        lock_in_value,
         fence: next().into_string(),
         fence_ttl: ttl(next()),
         // [channel, count]

@@ -35,7 +35,7 @@ use tokio_util::task::AbortOnDropHandle;
 use super::{
     breaker::{Breaker, State},
     coalesce::Coalescer,
-    queued::{QueuedClaim, QueuedFinish, QueuedGet},
+    queued::{QueuedClaim, QueuedFinish, QueuedGet, QueuedValueClaim},
     scripts::{self, Scripts},
 };
 use crate::telemetry::metrics;
@@ -51,6 +51,7 @@ pub struct Node {
     /// Its lookups, claims and finishes, each batched (see `coalesce.rs`).
     pub(super) gets: Coalescer<QueuedGet>,
     pub(super) claims: Coalescer<QueuedClaim>,
+    pub(super) value_claims: Coalescer<QueuedValueClaim>,
     pub(super) finishes: Coalescer<QueuedFinish>,
     /// Tasks that stop with the node: the upkeep (the scripts loaded on each
     /// of the client's new connections, then the breaker closed) and, for a
@@ -67,6 +68,7 @@ impl Node {
             breaker: Breaker::default(),
             gets: Coalescer::default(),
             claims: Coalescer::default(),
+            value_claims: Coalescer::default(),
             finishes: Coalescer::default(),
             tasks: std::sync::Mutex::default(),
             connection: std::sync::Mutex::default(),

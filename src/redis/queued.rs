@@ -1,8 +1,8 @@
 //! The Redis side: the commands a node batches (see `coalesce.rs`), each
 //! queued with the sender of its reply. Lookups go out as an MGET (a
 //! pipeline of GETs on a cluster node); claims and finishes as one call of
-//! their script for many items (a single Redis only: on a cluster,
-//! different items' keys are in different slots).
+//! their script for many items, value claims as one pipeline (a single
+//! Redis only: on a cluster, different items' keys are in different slots).
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use super::{
     coalesce::{again, Batched, Coalescer},
-    commands::RedisCommands,
+    commands::{RedisCommands, ValueClaim},
     error::RedisError,
     nodes::Node,
     scripts::{ClaimKeys, Claimed, FinishMany, LockOp, OnLock},
@@ -96,19 +96,70 @@ impl Batched for QueuedClaim {
         for (queued, claimed) in batch.into_iter().zip(answers) {
             let took = matches!(claimed, Ok(Some(_)));
             if queued.reply.send(claimed).is_err() && took {
-                let release = OnLock {
-                    lock: &queued.keys.lock,
-                    token: &queued.token,
-                    op: LockOp::Release,
-                };
-                if let Ok(true) = commands.eval(&release).await {
-                    tracing::info!(
-                        lock = queued.keys.lock,
-                        "released a lock taken after its claim gave up"
-                    );
-                }
+                let_go(commands, &queued.keys.lock, &queued.token).await;
             }
         }
+    }
+}
+
+/// A queued claim of an absent value key (see
+/// [`RedisCommands::claim_value`]), and where its reply goes.
+pub(super) struct QueuedValueClaim {
+    pub value: String,
+    /// The fence key, when read (see [`RedisCommands::claim_value`]).
+    pub fence: Option<String>,
+    pub claim: String,
+    pub ttl: Duration,
+    pub reply: oneshot::Sender<Result<ValueClaim, RedisError>>,
+}
+
+impl Batched for QueuedValueClaim {
+    const MAX_BATCH: usize = 64;
+
+    fn queue(node: &Node) -> &Coalescer<Self> {
+        &node.value_claims
+    }
+
+    /// As for [`QueuedClaim`]: not sent if its caller went away first, and
+    /// let go of (token-checked) if it went away while the batch ran.
+    async fn send(commands: &RedisCommands, _node: &Arc<Node>, mut batch: Vec<Self>) {
+        batch.retain(|q| !q.reply.is_closed());
+        if batch.is_empty() {
+            return;
+        }
+        let items: Vec<(&str, Option<&str>, &str, Duration)> = batch
+            .iter()
+            .map(|q| {
+                (
+                    q.value.as_str(),
+                    q.fence.as_deref(),
+                    q.claim.as_str(),
+                    q.ttl,
+                )
+            })
+            .collect();
+        let answers = commands.claim_values(&items).await;
+        drop(items);
+        for (queued, claimed) in batch.into_iter().zip(answers) {
+            let took = matches!(claimed, Ok(ValueClaim::Won { .. }));
+            if queued.reply.send(claimed).is_err() && took {
+                let_go(commands, &queued.value, &queued.claim).await;
+            }
+        }
+    }
+}
+
+/// Lets go of a lock (or a claim in a value key) that a batch took for a
+/// caller gone meanwhile, token-checked, so that none is left that nobody
+/// holds (the caller's own guard may have released before it was taken).
+async fn let_go(commands: &RedisCommands, lock: &str, token: &str) {
+    let release = OnLock {
+        lock,
+        token,
+        op: LockOp::Release,
+    };
+    if let Ok(true) = commands.eval(&release).await {
+        tracing::info!(lock, "released a lock taken after its caller gave up");
     }
 }
 
@@ -205,5 +256,66 @@ mod tests {
         let holder: Option<String> = client.get(&gone.lock).await.unwrap();
         assert_eq!(holder, None, "a claim nobody waits for took a lock");
         let _: i64 = client.del(&kept.lock).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn queued_value_claims_go_in_one_pipeline_and_one_whose_caller_left_takes_nothing() {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = Client::new(Config::from_url(&url).unwrap(), None, None, None);
+        client.init().await.expect("the tests' Redis is up");
+        let commands = RedisCommands::new(client.clone(), Duration::from_secs(1));
+        let prefix = format!("postcache:queued:{:016x}:", rand::random::<u64>());
+        let names = Keys::new(prefix, "post");
+        let (gone, kept, held) = (names.item(1), names.item(2), names.item(3));
+        let _: () = client
+            .set(&held.value, "\0claim:other", None, None, false)
+            .await
+            .unwrap();
+        let node = commands.node_of(&gone.value);
+        let Turn::Lead(baton) = node
+            .value_claims
+            .turn::<()>(&commands, &node, || unreachable!())
+        else {
+            panic!("the turn was free");
+        };
+        let queue = |keys: &ItemKeys, claim: &str| {
+            let queued = node.value_claims.turn(&commands, &node, || {
+                let (reply, answer) = oneshot::channel();
+                let claim = QueuedValueClaim {
+                    value: keys.value.clone(),
+                    fence: Some(keys.fence.clone()),
+                    claim: claim.to_owned(),
+                    ttl: Duration::from_secs(60),
+                    reply,
+                };
+                (claim, answer)
+            });
+            match queued {
+                Turn::Queued(answer) => answer,
+                Turn::Lead(_) => panic!("the turn is held"),
+            }
+        };
+        let gone_answer = queue(&gone, "\0claim:a");
+        let kept_answer = queue(&kept, "\0claim:b");
+        let held_answer = queue(&held, "\0claim:c");
+        drop(gone_answer);
+        drop(baton);
+        let claimed = queued_reply(&commands, kept_answer).await.unwrap();
+        assert_eq!(
+            claimed,
+            ValueClaim::Won {
+                fence: String::new()
+            }
+        );
+        let claimed = queued_reply(&commands, held_answer).await.unwrap();
+        assert_eq!(claimed, ValueClaim::Held);
+        let value: Option<String> = client.get(&kept.value).await.unwrap();
+        assert_eq!(value.as_deref(), Some("\0claim:b"));
+        let value: Option<String> = client.get(&gone.value).await.unwrap();
+        assert_eq!(value, None, "a claim nobody waits for was taken");
+        let _: i64 = client
+            .del(vec![kept.value.clone(), held.value.clone()])
+            .await
+            .unwrap();
     }
 }

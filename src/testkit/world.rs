@@ -410,6 +410,26 @@ impl TestEnv {
             .unwrap();
     }
 
+    /// Puts the claim of a leader named `holder` in post `id`'s value key
+    /// for `ttl`, from outside the service: a leader elsewhere loading a
+    /// post nobody had stored (see `cache/entry.rs`). Returns the key,
+    /// which is that leader's lock.
+    pub async fn claim(&self, id: i64, holder: &str, ttl: Duration) -> String {
+        let key = self.keys.value(id);
+        self.set(&key, crate::cache::claim_of(holder), ttl).await;
+        key
+    }
+
+    /// Whether a leader's lock on post `id` is held: its lock key, or a
+    /// claim in its value key.
+    pub async fn lock_held(&self, id: i64) -> bool {
+        if self.pttl(&self.keys.lock(id)).await != -2 {
+            return true;
+        }
+        let value: Option<bytes::Bytes> = self.redis.get(self.keys.value(id)).await.unwrap();
+        value.is_some_and(|raw| crate::cache::is_claim(&raw))
+    }
+
     /// Subscribers of a channel on the server: PUBSUB NUMSUB, or on a
     /// cluster PUBSUB SHARDNUMSUB summed over every primary.
     pub async fn numsub(&self, channel: &str) -> i64 {

@@ -27,7 +27,7 @@ fn batched<'a>(extra: &[&'a str]) -> Vec<&'a str> {
 async fn until_claimed(env: &TestEnv, ids: impl Iterator<Item = i64> + Clone) {
     wait_until("every key's leader to be elected", A_WHILE, async || {
         for id in ids.clone() {
-            if env.pttl(&env.keys.lock(id)).await <= 0 {
+            if !env.lock_held(id).await {
                 return false;
             }
         }
@@ -235,6 +235,6 @@ async fn queued_lookups_claims_and_finishes_share_round_trips() {
     );
     for id in 1..=100 {
         assert!(env.stored(id).await.is_some(), "post {id} stored");
-        assert_eq!(env.pttl(&env.keys.lock(id)).await, -2, "post {id} released");
+        assert!(!env.lock_held(id).await, "post {id} released");
     }
 }

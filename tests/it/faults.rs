@@ -500,8 +500,7 @@ async fn oversized_paths_get_414_and_oversized_headers_431() {
 #[tokio::test]
 async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
     let env = TestEnv::new(10).await;
-    env.set(&env.keys.lock(2), "outsider", Duration::from_secs(10))
-        .await;
+    env.claim(2, "outsider", Duration::from_secs(10)).await;
     let app = env.spawn(&["--wait-timeout", "5s"]).await;
     let pending = app.http.spawn_get("/posts/2");
     let channel = env.keys.channel(2);

@@ -338,7 +338,7 @@ async fn a_finish_blocked_by_a_write_pause_is_retried_and_every_waiter_answered(
         "the last waiter answered {slowest:?} after the load"
     );
     wait_until("the lock to go", Duration::from_secs(2), async || {
-        env.pttl(&env.keys.lock(5)).await == -2
+        !env.lock_held(5).await
     })
     .await;
 }
@@ -392,15 +392,14 @@ async fn a_load_on_a_connection_that_stops_answering_ends_at_load_timeout() {
         took >= Duration::from_millis(1_400) && took < Duration::from_millis(3_000),
         "the load ended {took:?} after it began"
     );
-    assert_eq!(env.pttl(&env.keys.lock(3)).await, -2, "no lock left");
+    assert!(!env.lock_held(3).await, "no lock left");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_past_its_deadline_neither_leads_nor_loads() {
     let redis = RedisServer::start().await;
     let env = TestEnv::with_redis(10, redis.url()).await;
-    env.set(&env.keys.lock(4), "stuck", Duration::from_secs(10))
-        .await;
+    env.claim(4, "stuck", Duration::from_secs(10)).await;
     let before = env.post_reads().await;
     let app = env
         .spawn(&["--wait-timeout", "1s", "--redis-timeout", "400ms"])
@@ -447,8 +446,7 @@ async fn a_subscribe_that_timed_out_leaves_no_subscription_behind() {
         .parse()
         .expect("a host:port Redis URL");
     let proxy = TcpProxy::start(redis).await;
-    env.set(&env.keys.lock(2), "outsider", Duration::from_secs(10))
-        .await;
+    env.claim(2, "outsider", Duration::from_secs(10)).await;
     let app = env
         .spawn(&[
             "--redis-url",
@@ -536,7 +534,7 @@ async fn a_lock_attempt_that_timed_out_leaves_no_lock_behind() {
         (200, Some("miss"))
     );
     assert!(took < Duration::from_secs(1), "answered after {took:?}");
-    assert_eq!(env.pttl(&env.keys.lock(3)).await, -2, "no lock left");
+    assert!(!env.lock_held(3).await, "no lock left");
 }
 
 /// A leader's finish is never refused by its instance's open breaker:

@@ -161,8 +161,7 @@ async fn a_pool_with_no_connection_free_sheds_with_retry_after_and_marks_nothing
         .filter(|(_, reply)| reply.status != 200)
         .collect();
     let ids: Vec<i64> = busy.iter().map(|(id, _)| *id).collect();
-    let locks: Vec<String> = ids.iter().map(|&id| env.keys.lock(id)).collect();
-    let locks_left = join_all(locks.iter().map(|lock| env.pttl(lock))).await;
+    let locks_left = join_all(ids.iter().map(|&id| env.lock_held(id))).await;
     let stored = join_all(ids.iter().map(|&id| env.stored(id))).await;
     let shed = app
         .http
@@ -191,7 +190,7 @@ async fn a_pool_with_no_connection_free_sheds_with_retry_after_and_marks_nothing
         "answered after the acquire timeout: {took:?}"
     );
     assert!(
-        locks_left.iter().all(|ttl| *ttl == -2),
+        locks_left.iter().all(|held| !held),
         "each lock let go at once: {locks_left:?}"
     );
     assert!(

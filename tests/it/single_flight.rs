@@ -30,11 +30,11 @@ async fn waiters_answer_within_milliseconds_of_the_release_not_a_poll_later() {
 #[tokio::test]
 async fn a_value_written_from_outside_without_publish_is_found_by_the_recheck() {
     let env = TestEnv::new(10).await;
-    let (value_key, lock_key) = (env.keys.value(4), env.keys.lock(4));
-    env.set(&lock_key, "outsider", Duration::from_secs(20))
-        .await;
-    // The outsider's value lands after the waiter's first GET and before its
-    // re-check, and nobody publishes: only the re-check can find it.
+    // A leader elsewhere holds its claim in the value key.
+    let value_key = env.claim(4, "outsider", Duration::from_secs(20)).await;
+    // The outsider's value lands over its claim after the waiter's election
+    // and before its re-check, and nobody publishes: only the re-check can
+    // find it.
     // Read then (not before the instance starts, whose change feed may raise
     // the cutoff as it takes a fresh slot).
     let writer = env.redis.clone();
@@ -70,22 +70,16 @@ async fn a_value_written_from_outside_without_publish_is_found_by_the_recheck() 
         started.elapsed()
     );
     assert!(env.pttl(&value_key).await > 0);
-    assert!(
-        env.pttl(&lock_key).await > 0,
-        "the outsider's lock is not ours to delete"
-    );
+    let stored = env.stored(4).await.expect("the outsider's entry");
+    assert_eq!(&stored.body()[..], br#"{"id":4,"from":"outside"}"#);
 }
 
 #[tokio::test]
 async fn a_lock_nobody_fills_is_taken_over_after_its_expiry_with_one_query() {
     let env = TestEnv::new(10).await;
     let before = env.post_reads().await;
-    env.set(
-        &env.keys.lock(5),
-        "crashed-leader",
-        Duration::from_millis(700),
-    )
-    .await;
+    env.claim(5, "crashed-leader", Duration::from_millis(700))
+        .await;
     // The lock's lifetime counts from here, not from the first request.
     let locked_at = Instant::now();
     let app = env.spawn(&["--wait-timeout", "5s"]).await;
@@ -109,8 +103,7 @@ async fn a_lock_nobody_fills_is_taken_over_after_its_expiry_with_one_query() {
 #[tokio::test]
 async fn a_lock_held_past_wait_timeout_gives_504_in_json() {
     let env = TestEnv::new(10).await;
-    env.set(&env.keys.lock(6), "stuck", Duration::from_secs(10))
-        .await;
+    env.claim(6, "stuck", Duration::from_secs(10)).await;
     let app = env.spawn(&["--wait-timeout", "400ms"]).await;
 
     let started = Instant::now();
@@ -154,9 +147,8 @@ async fn a_failed_load_gives_503_to_every_waiter_at_once_and_recovers_after_repa
         slowest < Duration::from_secs(1),
         "waiters learnt of the failure after {slowest:?}"
     );
-    assert_eq!(
-        env.pttl(&env.keys.lock(8)).await,
-        -2,
+    assert!(
+        !env.lock_held(8).await,
         "the failed leader released its lock"
     );
 
@@ -189,11 +181,7 @@ async fn after_a_burst_no_subscriber_and_no_lock_remain() {
     }
 
     for id in 1..=20 {
-        assert_eq!(
-            env.pttl(&env.keys.lock(id)).await,
-            -2,
-            "lock of {id} left behind"
-        );
+        assert!(!env.lock_held(id).await, "lock of {id} left behind");
     }
     wait_until(
         "every subscription to end",

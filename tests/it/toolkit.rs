@@ -85,8 +85,40 @@ async fn inspect_shows_the_lock_holder_and_the_subscribed_waiters_during_a_load(
     let ttl = during.lock.ttl_ms.expect("the lock expires");
     assert!((1..=5_000).contains(&ttl), "{ttl}");
     assert!(during.ready_channel.subscribers >= 1);
+    // A post nobody had stored: the leader's claim is in its value key,
+    // and there is no lock key.
+    assert_eq!(during.lock.key, env.keys.value(1));
+    assert_eq!(env.pttl(&env.keys.lock(1)).await, -2);
     assert_eq!(after.status, EntryStatus::Found);
     assert!(!after.lock.held);
+}
+
+/// A post kept past its freshness (its copy in the value key) is reloaded
+/// under the lock key, the copy staying in place while it loads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kept_copy_is_reloaded_under_the_lock_key_and_stays_meanwhile() {
+    let env = TestEnv::new(3).await;
+    // No memory tier: the second read must go to Redis.
+    let app = env
+        .spawn(&["--lock-ttl", "5s", "--l1-max-bytes", "0"])
+        .await;
+    assert_eq!(app.get("/posts/2").await.status, 200);
+    env.expire_freshness(2).await;
+    let lock = TableLock::take(&env).await;
+
+    let request = app.http.spawn_get("/posts/2");
+    env.until_held(std::slice::from_ref(&app), 1).await;
+    let during = inspect(&env, 2).await;
+    lock.release().await;
+    let (reply, _) = request.await.unwrap();
+
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.x_cache.as_deref(), Some("miss"));
+    assert!(during.lock.held);
+    assert_eq!(during.lock.key, env.keys.lock(2));
+    let copy = during.fail_safe.entry.as_ref().expect("the copy stays");
+    assert_eq!(copy.status, EntryStatus::Found);
+    assert!(!env.lock_held(2).await);
 }
 
 /// When loads fail: a stale post is re-served as a backoff copy, and a post

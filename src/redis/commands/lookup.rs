@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 
 use super::RedisCommands;
 use crate::{
-    cache::{DecodeError, Entry},
+    cache::{is_claim, DecodeError, Entry},
     redis::{
         coalesce::{again, queued_reply, Turn},
         error::{guarded, RedisError},
@@ -117,9 +117,10 @@ impl RedisCommands {
     }
 }
 
-/// An entry read from `key`; bytes that are not one count as absent.
+/// An entry read from `key`; bytes that are not one count as absent (a
+/// leader's claim too, without a word: it is one).
 pub(super) fn decoded(key: &str, raw: Option<Bytes>) -> Option<Entry> {
-    raw.and_then(|raw| match Entry::decode(raw) {
+    raw.filter(|raw| !is_claim(raw)).and_then(|raw| match Entry::decode(raw) {
         Ok(entry) => Some(entry),
         Err(error) => {
             metrics::garbage("entry");

@@ -286,6 +286,35 @@ mod contract {
     }
 
     #[tokio::test]
+    async fn a_change_takes_a_leaders_claim_away_and_fences_it() {
+        let (client, prefix) = redis().await;
+        let keys = Names::new(&prefix, "post").item(6);
+        let tombstone = Entry::new(Status::NotFound, &[], MINUTE, Duration::ZERO);
+        for (change, kind) in [(20, ChangeKind::Changed), (21, ChangeKind::Deleted)] {
+            // A leader loading a post nobody had stored: its claim is the
+            // value (see cache/entry.rs).
+            let _: () = client
+                .set(&keys.value, "\0claim:leader", None, None, false)
+                .await
+                .unwrap();
+            let items = [(&keys, change, kind)];
+            let apply = ApplyMany {
+                items: &items,
+                tombstone: &tombstone,
+                lifetimes: lifetimes(Duration::ZERO),
+            };
+            assert_eq!(run(&client, &apply).await, 1);
+            // Gone, so that the next reader claims anew and loads after the
+            // change; fenced, so that the leader's finish stores nothing.
+            let value: Option<Bytes> = client.get(&keys.value).await.unwrap();
+            assert_eq!(value, None, "{kind:?}");
+            let fence: Option<String> = client.get(&keys.fence).await.unwrap();
+            assert_eq!(fence, Some(change.to_string()));
+        }
+        clean(&client, &prefix).await;
+    }
+
+    #[tokio::test]
     async fn the_replication_feed_fences_every_change_and_never_moves_a_fence_back() {
         let (client, prefix) = redis().await;
         let names = Names::new(&prefix, "post");

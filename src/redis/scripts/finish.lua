@@ -40,13 +40,30 @@ local function is_copy(s) return status(s) == $FOUND or status(s) == $NOT_FOUND 
 
 local function finish_one(K, A)
   local entry = A.entry
+  -- The lock is the value key itself when the leader claimed it absent (a
+  -- claim, see cache/entry.rs): storing there releases the claim.
+  local in_value = K.lock == K.value
   local holder = redis.call('GET', K.lock)
   local ours = holder == A.token
   local released = 0
+  local wrote = false
+  if in_value and not ours then
+    -- The claim is gone: a change deleted it (what this leader read may be
+    -- older than the change), or it expired. Nothing is stored. An entry
+    -- another leader stored since is published; else the waiters are told
+    -- to elect a leader again, as after a change.
+    if valid(holder) then
+      redis.call(A.publish, A.channel, holder)
+      return {0, holder, 0}
+    end
+    redis.call(A.publish, A.channel, A.retry)
+    return {0, A.retry, 1}
+  end
   -- A change was applied to the item since this leader looked at the fence,
   -- before its read: what it read may be older than the change. Nothing is
-  -- stored; the waiters are told to elect a leader again.
-  if (redis.call('GET', K.fence) or '') ~= A.fence then
+  -- stored; the waiters are told to elect a leader again. (A claim in the
+  -- value key needs no fence: a change deletes it, above.)
+  if not in_value and (redis.call('GET', K.fence) or '') ~= A.fence then
     redis.call(A.publish, A.channel, A.retry)
     if ours then
       redis.call('DEL', K.lock)
@@ -88,9 +105,11 @@ local function finish_one(K, A)
           -- As long as the copy had left, and at least the backoff.
           local left = redis.call('PTTL', K.value)
           redis.call('SET', K.value, payload, 'PX', math.max(left, failure_ms))
+          wrote = true
         end
       elseif failure_ms > 0 then
         redis.call('SET', K.value, payload, 'PX', failure_ms)
+        wrote = true
       end
     end
   else
@@ -102,14 +121,20 @@ local function finish_one(K, A)
     end
     if ms > 0 then
       redis.call('SET', K.value, entry, 'PX', ms)
+      wrote = true
     end
   end
   if publish then
     redis.call(A.publish, A.channel, payload)
   end
   if ours then
-    redis.call('DEL', K.lock)
+    -- A claim in the value key was overwritten by what was stored.
+    if not (in_value and wrote) then
+      redis.call('DEL', K.lock)
+    end
     released = 1
   end
+  -- What the leader sent is not sent back (an empty string stands for it).
+  if payload == entry then payload = '' end
   return {released, payload, 0}
 end

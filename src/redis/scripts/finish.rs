@@ -170,8 +170,8 @@ impl Call for Finish<'_> {
         .into_vec()
     }
 
-    /// `{released, payload, fenced}`: 1 or 0, what was published (or the
-    /// entry itself when nothing was), 1 or 0.
+    /// `{released, payload, fenced}`: 1 or 0, what was published (empty
+    /// when it is the entry sent, or when nothing was), 1 or 0.
     fn reply(&self, value: Value) -> Option<Finished> {
         let Value::Array(reply) = value else {
             return None;
@@ -180,8 +180,8 @@ impl Call for Finish<'_> {
         let released = released.as_i64()? == 1;
         let published = match fenced.as_i64()? {
             1 => None,
-            // Bytes that are not an entry were never stored by a finish:
-            // what we sent stands for them.
+            // Empty (the entry sent, not sent back), or bytes that are not
+            // an entry, which no finish ever stored: what we sent.
             _ => Some(Entry::decode(payload.into_bytes()?).unwrap_or_else(|_| self.entry.clone())),
         };
         Some(Finished {

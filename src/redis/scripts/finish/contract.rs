@@ -60,6 +60,28 @@ async fn run_heard(client: &Client, call: &Finish<'_>) -> (Finished, Option<Byte
     (reply.expect("ran"), message)
 }
 
+/// A holder's finish (its reply and message, `heard`) stored `entry` in the
+/// value key for as long as the store policy said, released, and published it.
+async fn stored_and_published(
+    client: &Client,
+    keys: &ItemKeys,
+    (reply, message): (Finished, Option<Bytes>),
+    entry: &Entry,
+) {
+    assert_eq!(
+        reply,
+        Finished {
+            released: true,
+            published: Some(entry.clone())
+        }
+    );
+    assert_eq!(message.as_ref(), Some(entry.raw()));
+    // One key, the body stored once.
+    assert_eq!(get(client, &keys.value).await.as_ref(), Some(entry));
+    let ttl = pttl(client, &keys.value).await;
+    assert!((50_000..=60_000).contains(&ttl), "{ttl}");
+}
+
 #[test]
 fn the_script_reads_exactly_the_names_the_call_sends() {
     let lua = lua();
@@ -75,20 +97,9 @@ async fn the_holder_stores_publishes_and_releases() {
     let entry = found("new");
     put(&client, &keys.lock, "ours").await;
 
-    let (reply, message) = run_heard(&client, &finish(&keys, &entry, "")).await;
+    let heard = run_heard(&client, &finish(&keys, &entry, "")).await;
 
-    assert_eq!(
-        reply,
-        Finished {
-            released: true,
-            published: Some(entry.clone())
-        }
-    );
-    assert_eq!(message.as_ref(), Some(entry.raw()));
-    assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&entry));
-    // One key, the body stored once, for as long as the store policy said.
-    let ttl = pttl(&client, &keys.value).await;
-    assert!((50_000..=60_000).contains(&ttl), "{ttl}");
+    stored_and_published(&client, &keys, heard, &entry).await;
     let lock: Option<String> = client.get(&keys.lock).await.unwrap();
     assert_eq!(lock, None);
     clean(&client, &prefix).await;
@@ -329,5 +340,105 @@ async fn a_not_found_entry_over_a_copy_is_kept_as_the_tombstone() {
     assert!((110_000..=120_000).contains(&ttl), "{ttl}");
     let ttl = pttl(&client, &never.value).await;
     assert!((50_000..=60_000).contains(&ttl), "{ttl}");
+    clean(&client, &prefix).await;
+}
+
+/// The keys of a leader whose lock is its claim in the value key.
+fn in_value(keys: &ItemKeys) -> ItemKeys {
+    ItemKeys {
+        lock: keys.value.clone(),
+        ..keys.clone()
+    }
+}
+
+/// A finish by the leader whose claim in the value key is "ours".
+fn claimed_finish<'a>(keys: &'a ItemKeys, entry: &'a Entry, fence: &'a str) -> Finish<'a> {
+    Finish {
+        token: "\0claim:ours",
+        ..finish(keys, entry, fence)
+    }
+}
+
+#[tokio::test]
+async fn a_claim_in_the_value_key_is_replaced_by_what_its_holder_stores() {
+    let (client, prefix) = redis().await;
+    let keys = in_value(&Names::new(&prefix, "post").item(11));
+    let entry = found("new");
+    put(&client, &keys.value, "\0claim:ours").await;
+
+    let heard = run_heard(&client, &claimed_finish(&keys, &entry, "")).await;
+
+    // Stored over the claim, and not deleted as a lock would be.
+    stored_and_published(&client, &keys, heard, &entry).await;
+
+    // A failed load with nothing to fall back on and no failure marker
+    // (FAILURE_TTL off): nothing stored, the claim deleted.
+    let failed = Entry::new(Status::Failed, b"", Duration::ZERO, Duration::ZERO);
+    put(&client, &keys.value, "\0claim:ours").await;
+    let no_marker = Finish {
+        store: StoreFor {
+            failure: Duration::ZERO,
+            ..store()
+        },
+        ..claimed_finish(&keys, &failed, "")
+    };
+    let reply = run(&client, &no_marker).await;
+    assert!(reply.released);
+    assert_eq!(pttl(&client, &keys.value).await, -2, "the claim is gone");
+
+    // With FAILURE_TTL: the marker replaces the claim.
+    put(&client, &keys.value, "\0claim:ours").await;
+    let reply = run(&client, &claimed_finish(&keys, &failed, "")).await;
+    assert!(reply.released);
+    let marker = get(&client, &keys.value).await.expect("a failure marker");
+    assert_eq!(marker.status(), Status::Failed);
+    let ttl = pttl(&client, &keys.value).await;
+    assert!((4_000..=5_000).contains(&ttl), "{ttl}");
+    clean(&client, &prefix).await;
+}
+
+#[tokio::test]
+async fn a_claim_gone_stores_nothing_and_answers_what_is_stored_or_retry() {
+    let (client, prefix) = redis().await;
+    let keys = in_value(&Names::new(&prefix, "post").item(12));
+    let entry = found("read before the change");
+
+    // A change deleted the claim during the load (the fence it moved is not
+    // what tells: the claim is): nothing stored, the waiters told to elect
+    // again, and this leader's flight too.
+    put(&client, &keys.fence, "7").await;
+    let (reply, message) = run_heard(&client, &claimed_finish(&keys, &entry, "")).await;
+    assert_eq!(
+        reply,
+        Finished {
+            released: false,
+            published: None
+        }
+    );
+    assert_eq!(message.as_deref(), Some(RETRY));
+    assert_eq!(pttl(&client, &keys.value).await, -2);
+
+    // Our claim expired and another leader claimed: theirs stays.
+    put(&client, &keys.value, "\0claim:theirs").await;
+    let (reply, message) = run_heard(&client, &claimed_finish(&keys, &entry, "7")).await;
+    assert_eq!(reply.published, None);
+    assert_eq!(message.as_deref(), Some(RETRY));
+    let held: Option<Bytes> = client.get(&keys.value).await.unwrap();
+    assert_eq!(held.as_deref(), Some(&b"\0claim:theirs"[..]));
+
+    // Another leader stored meanwhile: theirs stays, and is published.
+    let theirs = found("newer");
+    put(&client, &keys.value, theirs.raw().clone()).await;
+    let (reply, message) = run_heard(&client, &claimed_finish(&keys, &entry, "")).await;
+    assert_eq!(reply.published.as_ref(), Some(&theirs));
+    assert_eq!(message.as_ref(), Some(theirs.raw()));
+    assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&theirs));
+
+    // The claim intact under a fence that moved (a change applied before
+    // the claim, whose fence a replica-less leader never read): stored.
+    put(&client, &keys.value, "\0claim:ours").await;
+    let reply = run(&client, &claimed_finish(&keys, &entry, "")).await;
+    assert_eq!(reply.published.as_ref(), Some(&entry));
+    assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&entry));
     clean(&client, &prefix).await;
 }
