@@ -4,6 +4,12 @@
 //! script). A [`Leader`] is that work: double-check, load under a watchdog,
 //! finish; its hold on the lock is a guard ([`Held`]), so a leader that
 //! vanishes without finishing lets go at once.
+//!
+//! A leader for requests answers them with the row it read as soon as it
+//! is read, and finishes in the background (see [`Leader::finish`]): the
+//! finish's round trip is not on their path. Its waiters elsewhere are
+//! woken by the finish's publish as before, and a finish that is fenced
+//! stores nothing and sends them to elect again, as before.
 
 use std::time::{Duration, Instant};
 
@@ -13,6 +19,7 @@ use tokio_util::task::TaskTracker;
 use super::{
     answer::Outcome,
     freshness::{judge, store_for, Lifetimes, Verdict},
+    memory::Ticket,
     Answer, Busy, ReadError, ReadPath, Served, Since, Source,
 };
 use crate::{
@@ -156,13 +163,17 @@ impl<'a, S: Source> Leader<'a, S> {
     ///
     /// `seen` (a background refresh): the stored_at of the entry being
     /// replaced, which the double-check must not take for a newer one.
-    pub async fn lead(self, before: Before, seen: Option<u64>) -> Led {
+    /// `answer_early`: the leader of requests, which may answer them before
+    /// its finish (see [`Leader::finish`]); a refresh has no one to answer.
+    pub async fn lead(self, before: Before, seen: Option<u64>, answer_early: bool) -> Led {
         let fence = match self.double_check(before, seen) {
             Ok(fence) => fence,
             Err(done) => return self.release(done).await,
         };
+        // Taken before the read: a change applied here after it moves it.
+        let early = answer_early.then(|| self.path.memory.ticket(self.key));
         match self.load(Since::of_fence(&fence)).await {
-            Ok(loaded) => self.finish(loaded, fence).await,
+            Ok(loaded) => self.finish(loaded, fence, early).await,
             Err(Busy) => self.let_go().await,
         }
     }
@@ -267,7 +278,21 @@ impl<'a, S: Source> Leader<'a, S> {
 
     /// Stores and publishes what was loaded, fenced by the lock and the
     /// change fence seen before the read, and releases the lock.
-    async fn finish(self, loaded: Entry, fence: String) -> Led {
+    ///
+    /// With `early` (taken before the read), a row read (found, not found
+    /// or too large) answers this flight at once, and the finish runs in the
+    /// background: the row is what the source held when it was read, during
+    /// the flight's requests, so it is theirs to get even if a change lands
+    /// before the finish (which then stores nothing and sends the waiters
+    /// elsewhere to elect again). Not early, so that the flight reads again
+    /// when fenced as before:
+    /// - a failed load: the finish answers with the fail-safe copy;
+    /// - a change to the item applied by this process since the read began
+    ///   (the ticket moved): this process has served the new row or may,
+    ///   and must not answer an older one after it;
+    /// - a row read before the cutoff, or from a replica (the fence decides
+    ///   whether a replica's row is current enough to serve).
+    async fn finish(self, loaded: Entry, fence: String, early: Option<Ticket>) -> Led {
         let path = self.path;
         // Over MAX_ENTRY_BYTES: a marker is stored and published in its
         // place (waiters elsewhere load it themselves), and this flight,
@@ -286,13 +311,20 @@ impl<'a, S: Source> Leader<'a, S> {
                 },
             },
         );
+        let cutoff = path.cutoff();
+        if early.is_some_and(|ticket| self.answers_early(&entry, cutoff, &ticket)) {
+            let answer = self.answer(entry.clone(), &entry, too_large);
+            let finish = (self.keys.clone(), entry, store, fence, cutoff);
+            finish_in_background(path, self.held, finish, Attempts::FirstNow);
+            return Led::Done(answer);
+        }
         let finish = Finish {
             keys: self.keys,
             token: self.token,
             entry: &entry,
             store,
             fence: &fence,
-            cutoff: path.cutoff(),
+            cutoff,
             sharded: path.redis.sharded(),
         };
         match path.redis.finish(&finish).await {
@@ -308,10 +340,21 @@ impl<'a, S: Source> Leader<'a, S> {
                 let cutoff = finish.cutoff;
                 let answer = self.answer(entry.clone(), &entry, too_large);
                 let retry = (self.keys.clone(), entry, store, fence, cutoff);
-                finish_in_background(path, self.held, retry);
+                finish_in_background(path, self.held, retry, Attempts::AfterFailure);
                 Led::Done(answer)
             }
         }
+    }
+
+    /// Whether this flight is answered with `entry` (to be stored) before
+    /// its finish: see [`Leader::finish`].
+    fn answers_early(&self, entry: &Entry, cutoff: u64, ticket: &Ticket) -> bool {
+        matches!(
+            entry.status(),
+            Status::Found | Status::NotFound | Status::TooLarge
+        ) && entry.read_at() >= cutoff
+            && !self.path.loader.source().reads_copies()
+            && self.path.memory.unchanged_since(ticket)
     }
 
     /// What a finish that went through means for this flight.
@@ -424,21 +467,29 @@ pub(super) async fn claim_value<S: Source>(
     result
 }
 
-/// Retries a failed finish (store, publish, release) with backoff until it
-/// gets through, or until LOCK_TTL has passed: by then the lock has expired
-/// and the waiters have woken to look for themselves. A finish that timed
-/// out may still have run: running it again is harmless (the fencing lets
-/// the same entry be stored and published twice).
+/// Where a finish in the background starts.
+enum Attempts {
+    /// Its flight was answered before the finish: the first attempt goes
+    /// out now, batched with other finishes as in the foreground.
+    FirstNow,
+    /// The first attempt, in the foreground, has just failed.
+    AfterFailure,
+}
+
+/// Finishes (store, publish, release) in the background, retried with
+/// backoff until it gets through, or until LOCK_TTL has passed: by then the
+/// lock has expired and the waiters have woken to look for themselves. A
+/// finish that timed out may still have run: running it again is harmless
+/// (the fencing lets the same entry be stored and published twice).
 fn finish_in_background<S: Source>(
     path: &ReadPath<S>,
     held: Held,
     (keys, entry, store, fence, cutoff): (ItemKeys, Entry, StoreFor, String, u64),
+    attempts: Attempts,
 ) {
     let redis = path.redis.clone();
     let give_up = Instant::now() + path.settings.lock_ttl;
     path.tasks.spawn(async move {
-        // The first attempt has just failed.
-        tokio::time::sleep(RETRY_FIRST).await;
         let finish = Finish {
             keys: &keys,
             token: &held.token,
@@ -448,8 +499,29 @@ fn finish_in_background<S: Source>(
             cutoff,
             sharded: redis.sharded(),
         };
-        match with_backoff(give_up, || redis.eval(&finish)).await {
-            Ok(_) => tracing::info!(lock = keys.lock, "finished on a retry"),
+        let first = match attempts {
+            Attempts::FirstNow => Some(redis.finish(&finish).await),
+            Attempts::AfterFailure => None,
+        };
+        let finished = match first {
+            Some(Ok(finished)) => Ok(finished),
+            Some(Err(_)) | None => {
+                tokio::time::sleep(RETRY_FIRST).await;
+                with_backoff(give_up, || redis.eval(&finish))
+                    .await
+                    .inspect(|_| tracing::info!(lock = keys.lock, "finished on a retry"))
+            }
+        };
+        match finished {
+            Ok(Finished { published: None, .. }) => {
+                metrics::fenced();
+                tracing::debug!(lock = keys.lock, "a change was applied during the load: fenced, nothing stored");
+            }
+            Ok(Finished { released: false, .. }) => tracing::warn!(
+                lock = keys.lock,
+                "lock expired during the load and was not ours to release"
+            ),
+            Ok(_) => {}
             Err(error) => {
                 tracing::warn!(%error, lock = keys.lock, "gave up finishing; the lock expires by itself")
             }

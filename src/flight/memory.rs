@@ -82,7 +82,7 @@ impl<K> Weighter<K, Kept> for ByBytes {
 /// The generation of an item's stripe before its data was read.
 pub(super) struct Ticket {
     stripe: usize,
-    generation: u64,
+    pub(super) generation: u64,
 }
 
 /// The memory tier of one process.
@@ -169,6 +169,13 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
         }
     }
 
+    /// Whether no item of `ticket`'s stripe was evicted since it was taken:
+    /// no change to its key was applied by this process meanwhile (rarely,
+    /// a change to another key of the stripe says no as well).
+    pub fn unchanged_since(&self, ticket: &Ticket) -> bool {
+        self.generations[ticket.stripe].load(Ordering::SeqCst) == ticket.generation
+    }
+
     /// Keeps `entry` for `key` if it is a fresh found or not-found entry and
     /// nothing of its stripe was evicted since `ticket`.
     pub fn fill(&self, key: &K, entry: &Entry, ticket: &Ticket, now: u64) {
@@ -181,8 +188,7 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
         if !keepable || !entry.is_fresh(now) || !self.serving.load(Ordering::SeqCst) {
             return;
         }
-        let generation = &self.generations[ticket.stripe];
-        if generation.load(Ordering::SeqCst) != ticket.generation {
+        if !self.unchanged_since(ticket) {
             return;
         }
         // Never an older entry over a newer one: a flight detached from
@@ -205,7 +211,7 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
             },
         );
         // An eviction between the check above and the insert: undo.
-        if generation.load(Ordering::SeqCst) != ticket.generation {
+        if !self.unchanged_since(ticket) {
             cache.remove(key);
         }
         // The fronts let go of what they copied before: the entry this one

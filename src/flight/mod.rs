@@ -237,6 +237,14 @@ impl<S: Source> ReadPath<S> {
         (self.memory.is_serving(), bytes, entries)
     }
 
+    /// Evictions of `key`'s stripe of the memory tier (changes applied
+    /// here to it, or to another key of its stripe): a test waits for it
+    /// to move to know a change has reached this process.
+    #[cfg(feature = "testkit")]
+    pub fn evictions(&self, key: &S::Key) -> u64 {
+        self.memory.ticket(key).generation
+    }
+
     /// Reads not yet answered.
     pub fn reads_in_progress(&self) -> usize {
         self.reads_in_progress.load(Ordering::Relaxed)

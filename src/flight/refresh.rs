@@ -89,7 +89,7 @@ impl<S: Source> ReadPath<S> {
                 match leader::claim(&this, &keys, &token).await {
                     Ok(Some(before)) => {
                         let leader = Leader::elected(&this, &key, &keys, &token);
-                        let result = match leader.lead(before, seen).await {
+                        let result = match leader.lead(before, seen, false).await {
                             Led::Done(Err(_)) => "failed",
                             Led::Done(Ok(answer)) => {
                                 this.keep_in_memory(&key, &answer, &ticket);

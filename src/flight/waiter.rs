@@ -146,7 +146,7 @@ impl<'a, S: Source> Flight<'a, S> {
                         (&self.keys, &self.token)
                     };
                     let led = Leader::elected(self.path, self.key, keys, token)
-                        .lead(before, None)
+                        .lead(before, None, true)
                         .await;
                     if matches!(led, Led::Fenced(_)) {
                         self.token = lock_token();

@@ -218,6 +218,7 @@ async fn a_cached_post_is_one_key_of_at_most_its_body_and_150_bytes() {
     let app = env.spawn(&["--max-stale", "1h"]).await;
     let reply = app.get("/posts/2").await;
     assert_eq!(reply.x_cache.as_deref(), Some("miss"));
+    env.stored(2).await.expect("stored");
 
     let value = env.keys.value(2);
     let prefix = value.strip_suffix("post:{2}").expect("the contract's name");

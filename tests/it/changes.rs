@@ -120,9 +120,9 @@ async fn updates_and_deletes_reach_every_instance_on_a_redis_cluster_in_trigger_
 }
 
 /// A leader held after its SELECT; the row changes and the change is
-/// applied; then the leader finishes. Its old row is neither stored nor
-/// served: its flight and the waiters elsewhere elect again and read the
-/// new row.
+/// applied, in Redis and in the leader's process; then the leader finishes.
+/// Its old row is neither stored nor served: its flight and the waiters
+/// elsewhere elect again and read the new row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_old_row() {
     let env = TestEnv::new(10).await;
@@ -156,9 +156,10 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
     .await;
     let waiting = other.http.spawn_get("/posts/7");
     env.until_subscribed(7).await;
+    let evictions = leader.state.read_path.evictions(&7);
     env.retitle(7, "after the change").await;
     wait_until("the change to be applied", A_WHILE, async || {
-        env.pttl(&env.keys.fence(7)).await > 0
+        env.pttl(&env.keys.fence(7)).await > 0 && leader.state.read_path.evictions(&7) > evictions
     })
     .await;
     release.add_permits(1);
@@ -185,6 +186,73 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
     );
     let fenced = leader.http.metric("postcache_fenced_total").await - fenced_before;
     assert!(fenced >= 1.0, "fenced {fenced} times");
+}
+
+/// The same race where the change has not reached the leader's process
+/// (its feed is off; another instance applies the change in Redis): the
+/// leader answers its request with the row it read, which was current when
+/// read, before its finish. The finish is fenced: it stores nothing, and
+/// the waiter elsewhere elects again and gets the new row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leader_answers_the_row_it_read_before_its_finish_which_a_change_fences() {
+    let env = TestEnv::new(10).await;
+    let (held, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(Semaphore::new(0)),
+    );
+    let hooks = Hooks {
+        after_load: Some(Arc::new({
+            let (held, release) = (held.clone(), release.clone());
+            move |_key: String| {
+                let (held, release) = (held.clone(), release.clone());
+                Box::pin(async move {
+                    if !held.swap(true, Ordering::SeqCst) {
+                        release.acquire().await.unwrap().forget();
+                    }
+                })
+            }
+        })),
+        ..Hooks::default()
+    };
+    let feed_off = [PATIENT, &["--change-feed", "off"]].concat();
+    let leader = env.spawn_with_hooks(&feed_off, hooks).await;
+    let other = env.spawn(PATIENT).await;
+    let fenced_before = leader.http.metric("postcache_fenced_total").await;
+
+    let leading = leader.http.spawn_get("/posts/7");
+    wait_until("the leader to have read the row", A_WHILE, async || {
+        held.load(Ordering::SeqCst)
+    })
+    .await;
+    let waiting = other.http.spawn_get("/posts/7");
+    env.until_subscribed(7).await;
+    env.retitle(7, "after the change").await;
+    wait_until("the change to be applied", A_WHILE, async || {
+        env.pttl(&env.keys.fence(7)).await > 0
+    })
+    .await;
+    release.add_permits(1);
+
+    let (lead, _) = leading.await.unwrap();
+    let (wait, _) = waiting.await.unwrap();
+    assert_eq!((lead.status, lead.x_cache.as_deref()), (200, Some("miss")));
+    assert_ne!(
+        lead.json()["title"],
+        "after the change",
+        "the leader's own request gets the row it read"
+    );
+    assert_eq!(
+        wait.json()["title"],
+        "after the change",
+        "a waiter elsewhere"
+    );
+    let stored = env.stored(7).await.expect("the new row is stored");
+    let body: serde_json::Value = serde_json::from_slice(&stored.body()).unwrap();
+    assert_eq!(body["title"], "after the change");
+    wait_until("the leader's finish to be fenced", A_WHILE, async || {
+        leader.http.metric("postcache_fenced_total").await > fenced_before
+    })
+    .await;
 }
 
 /// The listener's connection is terminated, again and again, while rows

@@ -115,6 +115,7 @@ async fn past_the_grace_window_a_stale_entry_is_a_miss() {
     assert_eq!(app.get("/posts/2").await.x_cache.as_deref(), Some("miss"));
     // Kept past TTL + grace, as the fail-safe copy (MAX_STALE): what ends
     // the grace window is the entry's freshness, not the key's life.
+    env.stored(2).await.expect("stored");
     let pttl = env.pttl(&env.keys.value(2)).await;
     assert!(pttl > 600, "kept as the fail-safe copy, PTTL {pttl}");
 

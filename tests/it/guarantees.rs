@@ -113,6 +113,7 @@ async fn a_deleted_post_never_comes_back_from_the_fail_safe_copy() {
         ])
         .await;
     assert_eq!(app.get("/posts/3").await.x_cache.as_deref(), Some("miss"));
+    env.stored(3).await.expect("stored");
     let hour = 3_600_000;
     assert!(
         env.pttl(&env.keys.value(3)).await > hour,

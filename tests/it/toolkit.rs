@@ -29,6 +29,9 @@ async fn inspect_shows_a_found_entry_with_its_copy_and_ttls_a_not_found_one_and_
 
     let read = app.get("/posts/2").await;
     let missing = app.get("/posts/99").await;
+    // (Their leaders answer before their finishes store.)
+    env.stored(2).await.expect("stored");
+    env.stored(99).await.expect("stored");
     let found = inspect(&env, 2).await;
     let not_found = inspect(&env, 99).await;
     let absent = inspect(&env, 3).await;
