@@ -14,6 +14,7 @@
 //! (`examples/coherence`) judges what its clients read with [`history`].
 
 mod database;
+mod held;
 pub mod history;
 mod http;
 mod load;
@@ -31,6 +32,7 @@ use std::{
 };
 
 pub use database::{blocked_loads, TableLock};
+pub use held::HeldLoad;
 pub use http::{answered, fire, in_progress, metric, Http, Reply, TestApp};
 pub use load::{quantile, Record, Sample, SteadyLoad, Zipf};
 pub use postgres::PgServer;

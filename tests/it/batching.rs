@@ -2,18 +2,11 @@
 //! runs share the next one (`where id = any($1)`), and each key still has
 //! its own election, fence, finish and wake-up.
 
-use std::sync::{
-    atomic::{AtomicBool, Ordering},
-    Arc,
-};
-
 use futures::future::join_all;
 use postcache::{
     cache::Status,
-    flight::Hooks,
-    testkit::{wait_until, RedisServer, TableLock, TestApp, TestEnv, A_WHILE, PATIENT},
+    testkit::{wait_until, HeldLoad, RedisServer, TableLock, TestApp, TestEnv, A_WHILE, PATIENT},
 };
-use tokio::sync::Semaphore;
 
 /// One statement at a time, up to 64 keys each, and patient bounds.
 fn batched<'a>(extra: &[&'a str]) -> Vec<&'a str> {
@@ -138,27 +131,9 @@ async fn a_failed_batch_fails_each_of_its_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_fenced_mid_batch_reads_again_and_the_others_are_stored() {
     let env = TestEnv::new(10).await;
-    let (held, release) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(Semaphore::new(0)),
-    );
-    let fenced_key = env.keys.value(5);
-    let hooks = Hooks {
-        after_load: Some(Arc::new({
-            let (held, release) = (held.clone(), release.clone());
-            move |key: String| {
-                let (held, release, hold) = (held.clone(), release.clone(), key == fenced_key);
-                Box::pin(async move {
-                    // Post 5's first load only.
-                    if hold && !held.swap(true, Ordering::SeqCst) {
-                        release.acquire().await.unwrap().forget();
-                    }
-                })
-            }
-        })),
-        ..Hooks::default()
-    };
-    let a = env.spawn_with_hooks(&batched(&[]), hooks).await;
+    // Post 5's first load only.
+    let load = HeldLoad::of(env.keys.value(5));
+    let a = env.spawn_with_hooks(&batched(&[]), load.hooks()).await;
     let statements_before = statements(&a).await;
 
     let lock = TableLock::take(&env).await;
@@ -169,12 +144,7 @@ async fn a_key_fenced_mid_batch_reads_again_and_the_others_are_stored() {
         .collect();
     until_claimed(&env, 2..=10).await;
     lock.release().await;
-    wait_until(
-        "post 5's leader to have read its row",
-        A_WHILE,
-        async || held.load(Ordering::SeqCst),
-    )
-    .await;
+    load.until_held().await;
     let evictions = a.state.read_path.evictions(&5);
     env.retitle(5, "after the change").await;
     // In Redis and in this process (which answers a row read before a
@@ -183,7 +153,7 @@ async fn a_key_fenced_mid_batch_reads_again_and_the_others_are_stored() {
         env.pttl(&env.keys.fence(5)).await > 0 && a.state.read_path.evictions(&5) > evictions
     })
     .await;
-    release.add_permits(1);
+    load.release();
 
     assert_eq!(first.await.unwrap().0.status, 200);
     for (id, request) in (2..=10).zip(queued) {

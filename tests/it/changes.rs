@@ -3,21 +3,15 @@
 //! before a change stores nothing, nothing is lost while the listener's
 //! connection is down, and the same by hand (`postcache invalidate`).
 
-use std::{
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use postcache::{
     cli::invalidate::{self, Invalidated},
-    flight::Hooks,
-    testkit::{wait_until, RedisCluster, RedisServer, TestApp, TestEnv, A_WHILE, PATIENT},
+    testkit::{
+        wait_until, HeldLoad, RedisCluster, RedisServer, TestApp, TestEnv, A_WHILE, PATIENT,
+    },
 };
-use tokio::sync::Semaphore;
 
 /// Waits until every instance serves post `id` with `wanted`; how long.
 async fn until_everywhere(apps: &[TestApp], id: i64, wanted: &str) -> Duration {
@@ -126,34 +120,13 @@ async fn updates_and_deletes_reach_every_instance_on_a_redis_cluster_in_trigger_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_old_row() {
     let env = TestEnv::new(10).await;
-    let (held, release) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(Semaphore::new(0)),
-    );
-    let hooks = Hooks {
-        after_load: Some(Arc::new({
-            let (held, release) = (held.clone(), release.clone());
-            move |_key: String| {
-                let (held, release) = (held.clone(), release.clone());
-                Box::pin(async move {
-                    // The first load only.
-                    if !held.swap(true, Ordering::SeqCst) {
-                        release.acquire().await.unwrap().forget();
-                    }
-                })
-            }
-        })),
-        ..Hooks::default()
-    };
-    let leader = env.spawn_with_hooks(PATIENT, hooks).await;
+    let load = HeldLoad::first();
+    let leader = env.spawn_with_hooks(PATIENT, load.hooks()).await;
     let other = env.spawn(PATIENT).await;
     let fenced_before = leader.http.metric("postcache_fenced_total").await;
 
     let leading = leader.http.spawn_get("/posts/7");
-    wait_until("the leader to have read the row", A_WHILE, async || {
-        held.load(Ordering::SeqCst)
-    })
-    .await;
+    load.until_held().await;
     let waiting = other.http.spawn_get("/posts/7");
     env.until_subscribed(7).await;
     let evictions = leader.state.read_path.evictions(&7);
@@ -162,7 +135,7 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
         env.pttl(&env.keys.fence(7)).await > 0 && leader.state.read_path.evictions(&7) > evictions
     })
     .await;
-    release.add_permits(1);
+    load.release();
 
     let (lead, _) = leading.await.unwrap();
     let (wait, _) = waiting.await.unwrap();
@@ -196,34 +169,14 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_leader_answers_the_row_it_read_before_its_finish_which_a_change_fences() {
     let env = TestEnv::new(10).await;
-    let (held, release) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(Semaphore::new(0)),
-    );
-    let hooks = Hooks {
-        after_load: Some(Arc::new({
-            let (held, release) = (held.clone(), release.clone());
-            move |_key: String| {
-                let (held, release) = (held.clone(), release.clone());
-                Box::pin(async move {
-                    if !held.swap(true, Ordering::SeqCst) {
-                        release.acquire().await.unwrap().forget();
-                    }
-                })
-            }
-        })),
-        ..Hooks::default()
-    };
+    let load = HeldLoad::first();
     let feed_off = [PATIENT, &["--change-feed", "off"]].concat();
-    let leader = env.spawn_with_hooks(&feed_off, hooks).await;
+    let leader = env.spawn_with_hooks(&feed_off, load.hooks()).await;
     let other = env.spawn(PATIENT).await;
     let fenced_before = leader.http.metric("postcache_fenced_total").await;
 
     let leading = leader.http.spawn_get("/posts/7");
-    wait_until("the leader to have read the row", A_WHILE, async || {
-        held.load(Ordering::SeqCst)
-    })
-    .await;
+    load.until_held().await;
     let waiting = other.http.spawn_get("/posts/7");
     env.until_subscribed(7).await;
     env.retitle(7, "after the change").await;
@@ -231,7 +184,7 @@ async fn a_leader_answers_the_row_it_read_before_its_finish_which_a_change_fence
         env.pttl(&env.keys.fence(7)).await > 0
     })
     .await;
-    release.add_permits(1);
+    load.release();
 
     let (lead, _) = leading.await.unwrap();
     let (wait, _) = waiting.await.unwrap();

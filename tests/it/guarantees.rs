@@ -10,7 +10,8 @@ use postcache::{
     cache::{Entry, ItemKeys, Status},
     redis::{Finish, RedisCommands, StoreFor},
     testkit::{
-        answered, fire, wait_until, RedisServer, TableLock, TcpProxy, TestEnv, A_WHILE, PATIENT,
+        answered, fire, wait_until, HeldLoad, RedisServer, TableLock, TcpProxy, TestEnv, A_WHILE,
+        PATIENT,
     },
 };
 
@@ -546,49 +547,21 @@ async fn a_lock_attempt_that_timed_out_leaves_no_lock_behind() {
 /// stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_finish_is_never_refused_by_an_open_breaker() {
-    use std::sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    };
-
-    use postcache::flight::Hooks;
-    use tokio::sync::Semaphore;
-
     let redis = RedisServer::start().await;
     let env = TestEnv::with_redis(10, redis.url()).await;
     let proxy = TcpProxy::start(([127, 0, 0, 1], redis.port).into()).await;
-    let (held, release) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(Semaphore::new(0)),
-    );
-    let hooks = Hooks {
-        after_load: Some(Arc::new({
-            let (held, release) = (held.clone(), release.clone());
-            move |_key: String| {
-                let (held, release) = (held.clone(), release.clone());
-                Box::pin(async move {
-                    if !held.swap(true, Ordering::SeqCst) {
-                        release.acquire().await.unwrap().forget();
-                    }
-                })
-            }
-        })),
-        ..Hooks::default()
-    };
+    let load = HeldLoad::first();
     let through_proxy = format!("redis://{}", proxy.addr);
     let leader_flags = [
         PATIENT,
         &["--redis-url", &through_proxy, "--redis-timeout", "200ms"],
     ]
     .concat();
-    let leader = env.spawn_with_hooks(&leader_flags, hooks).await;
+    let leader = env.spawn_with_hooks(&leader_flags, load.hooks()).await;
     let other = env.spawn(PATIENT).await;
 
     let leading = leader.http.spawn_get("/posts/7");
-    wait_until("the leader to have read the row", A_WHILE, async || {
-        held.load(Ordering::SeqCst)
-    })
-    .await;
+    load.until_held().await;
     let waiting = other.http.spawn_get("/posts/7");
     env.until_subscribed(7).await;
     // The leader's instance loses Redis until its breaker opens.
@@ -602,7 +575,7 @@ async fn a_finish_is_never_refused_by_an_open_breaker() {
     }
     let open = leader.http.metric(breaker).await;
     proxy.stall(false);
-    release.add_permits(1);
+    load.release();
     let released = Instant::now();
     let (waited, answered_at) = waiting.await.unwrap();
     let (led, _) = leading.await.unwrap();
