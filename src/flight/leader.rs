@@ -11,7 +11,10 @@
 //! woken by the finish's publish as before, and a finish that is fenced
 //! stores nothing and sends them to elect again, as before.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use rand::Rng;
 use tokio_util::task::TaskTracker;
@@ -20,13 +23,14 @@ use super::{
     answer::Outcome,
     freshness::{judge, store_for, Lifetimes, Verdict},
     memory::Ticket,
+    won::Won,
     Answer, Busy, ReadError, ReadPath, Served, Since, Source,
 };
 use crate::{
-    cache::{now_millis, Entry, ItemKeys, Status},
+    cache::{claim_of, now_millis, Entry, ItemKeys, Status},
     redis::{
-        with_backoff, Before, Finish, Finished, LockOp, OnLock, RedisCommands, RedisError,
-        StoreFor, ValueClaim, RETRY_FIRST,
+        with_backoff, Before, Finish, Finished, FirstLook, LockOp, OnLock, OnWon, RedisCommands,
+        RedisError, StoreFor, ValueClaim, RETRY_FIRST,
     },
     telemetry::metrics,
 };
@@ -102,34 +106,79 @@ impl Drop for Held {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let redis = self.redis.clone();
         let (lock, channel, token) = (
             std::mem::take(&mut self.lock),
             std::mem::take(&mut self.channel),
             std::mem::take(&mut self.token),
         );
-        let give_up = Instant::now() + self.lock_ttl;
-        self.tasks.spawn_on(
-            async move {
-                let abandon = OnLock {
-                    lock: &lock,
-                    token: &token,
-                    op: LockOp::Abandon {
-                        channel: &channel,
-                        sharded: redis.sharded(),
-                    },
-                };
-                match with_backoff(give_up, || redis.eval(&abandon)).await {
-                    Ok(true) => tracing::info!(lock, "lock let go; its waiters elect again"),
-                    Ok(false) => {}
-                    Err(error) => {
-                        tracing::warn!(%error, lock, "could not let go of the lock; it expires by itself")
-                    }
-                }
-            },
+        abandon(
+            &self.redis,
+            &self.tasks,
+            self.lock_ttl,
+            lock,
+            channel,
+            token,
             &runtime,
         );
     }
+}
+
+/// Lets go of `lock` if it holds `token`, publishing `retry` on `channel`
+/// so that its waiters elect again now, in the background, retried with
+/// backoff for up to LOCK_TTL (see [`Held`]).
+pub(super) fn abandon_in_background<S: Source>(
+    path: &ReadPath<S>,
+    lock: String,
+    channel: String,
+    token: String,
+) {
+    // Outside a runtime (it is gone): the lock expires by itself.
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let (redis, tasks) = (&path.redis, &path.tasks);
+    abandon(
+        redis,
+        tasks,
+        path.settings.lock_ttl,
+        lock,
+        channel,
+        token,
+        &runtime,
+    );
+}
+
+fn abandon(
+    redis: &RedisCommands,
+    tasks: &TaskTracker,
+    lock_ttl: Duration,
+    lock: String,
+    channel: String,
+    token: String,
+    runtime: &tokio::runtime::Handle,
+) {
+    let redis = redis.clone();
+    let give_up = Instant::now() + lock_ttl;
+    tasks.spawn_on(
+        async move {
+            let abandon = OnLock {
+                lock: &lock,
+                token: &token,
+                op: LockOp::Abandon {
+                    channel: &channel,
+                    sharded: redis.sharded(),
+                },
+            };
+            match with_backoff(give_up, || redis.eval(&abandon)).await {
+                Ok(true) => tracing::info!(lock, "lock let go; its waiters elect again"),
+                Ok(false) => {}
+                Err(error) => {
+                    tracing::warn!(%error, lock, "could not let go of the lock; it expires by itself")
+                }
+            }
+        },
+        runtime,
+    );
 }
 
 /// The leader of one key's load in the fleet, holding its lock.
@@ -465,6 +514,47 @@ pub(super) async fn claim_value<S: Source>(
         .await;
     attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
     result
+}
+
+/// A request's first look at `key`, which claims it for its flight if
+/// nobody has stored it (see [`RedisCommands::look_up_or_claim`]), under
+/// the same guard as [`claim`]; `Some(won)` with the entry when claimed,
+/// its token put where a flight's election takes it (see `won.rs`).
+pub(super) async fn look_up_or_claim<S: Source>(
+    path: &Arc<ReadPath<S>>,
+    key: &S::Key,
+    keys: &ItemKeys,
+) -> Result<(Option<Entry>, Option<Box<Won<S>>>), RedisError> {
+    let mut won = Won::new(path, key, keys, lock_token());
+    let claim = claim_of(won.token());
+    let on_won: OnWon = {
+        let (claims, key, token) = (path.won.clone(), key.clone(), won.token().to_owned());
+        Box::new(move || claims.put(key, token))
+    };
+    let mut attempt = Attempt {
+        path,
+        lock: &keys.value,
+        token: &claim,
+        answered: false,
+    };
+    let result = path
+        .redis
+        .look_up_or_claim(keys, &claim, path.settings.lock_ttl, on_won)
+        .await;
+    attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
+    match result {
+        Ok(FirstLook::Claimed) => Ok((None, Some(Box::new(won)))),
+        Ok(FirstLook::Looked(entry)) => {
+            won.disarm();
+            Ok((entry, None))
+        }
+        Err(error) => {
+            if matches!(error, RedisError::CircuitOpen) {
+                won.disarm();
+            }
+            Err(error)
+        }
+    }
 }
 
 /// Where a finish in the background starts.

@@ -132,10 +132,13 @@ where
         F: FnOnce() -> Fut,
         Fut: Future<Output = V> + Send + 'static,
     {
-        let (role, mut slot) = {
+        // A joiner's `start` is dropped before it waits, not after: what it
+        // holds for a flight it did not start is let go of now (a claim
+        // won at the first look, see won.rs).
+        let (role, mut slot, unstarted) = {
             let mut running = self.lock();
             match running.get(&key) {
-                Some(slot) => (Role::Joiner, slot.clone()),
+                Some(slot) => (Role::Joiner, slot.clone(), Some(start)),
                 None => {
                     let (tx, rx) = watch::channel(None);
                     running.insert(key.clone(), rx.clone());
@@ -154,10 +157,11 @@ where
                         tx.send_replace(Some(value));
                         drop(deregister);
                     });
-                    (Role::Owner, rx)
+                    (Role::Owner, rx, None)
                 }
             }
         };
+        drop(unstarted);
         let wait = async {
             match slot.wait_for(Option::is_some).await {
                 Ok(value) => Ok(value.clone().expect("wait_for returned a Some")),

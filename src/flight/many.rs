@@ -49,7 +49,7 @@ impl<S: Source> ReadPath<S> {
                     let expected = (matches!(verdict, Verdict::Miss)
                         && !self.guard_says_missing(&key))
                     .then(|| self.loader.expect(&key));
-                    let read = self.after_look_up(key, now, verdict, looked, ticket);
+                    let read = self.after_look_up(key, now, verdict, looked, ticket, None);
                     async move {
                         let answer = read.await;
                         drop(expected);

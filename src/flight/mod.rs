@@ -59,6 +59,8 @@ mod settings;
 mod source;
 mod strategy;
 mod waiter;
+mod warm;
+mod won;
 
 use std::{
     collections::HashSet,
@@ -89,6 +91,7 @@ use load::Loader;
 use local::{Flights, Role, Unshared};
 use memory::MemoryTier;
 use waiter::Flight;
+use won::{Won, WonClaims};
 
 use crate::{
     cache::{now_millis, Keys},
@@ -129,6 +132,10 @@ pub struct ReadPath<S: Source> {
     memory: MemoryTier<S::Key>,
     /// The items that exist (guard.rs).
     guard: guard::Guard,
+    /// Claims won at first looks, for the keys' flights (won.rs).
+    won: Arc<WonClaims<S::Key>>,
+    /// Keys seen stored in Redis lately: looked up, not claimed (warm.rs).
+    warm: warm::Warm,
 }
 
 impl<S: Source> ReadPath<S> {
@@ -159,6 +166,8 @@ impl<S: Source> ReadPath<S> {
             reads_in_progress: AtomicUsize::new(0),
             cutoff: AtomicU64::new(0),
             guard: guard::Guard::default(),
+            won: Arc::default(),
+            warm: warm::Warm::default(),
         })
     }
 
@@ -275,11 +284,59 @@ impl<S: Source> ReadPath<S> {
     /// waiting for a flight keeps it (inside its request's future) for the
     /// whole wait, while the GET's future (about 500 bytes) is freed as soon
     /// as the GET is answered.
+    ///
+    /// The first look claims the item if nobody has stored it (one command
+    /// for the miss and its election: see [`leader::look_up_or_claim`]),
+    /// except for an item this process has seen stored lately (a hit is
+    /// likely, and plain lookups are batched into one `MGET`: warm.rs),
+    /// where loads may read a replica (their leader reads the change fence
+    /// with its claim, which a lookup has no use for), and where the
+    /// existence guard says the item cannot exist (its miss is answered
+    /// without a load: a claim would only be let go again).
     async fn get_from_redis(self: &Arc<Self>, key: S::Key, now: u64) -> Result<Answer, ReadError> {
         let grace = self.settings.stale_while_revalidate;
         let ticket = self.memory.ticket(&key);
-        let (verdict, looked) = Box::pin(self.look_up(&key, now, grace)).await;
-        self.after_look_up(key, now, verdict, looked, ticket).await
+        let warm = self.warm.holds(&key);
+        let plain = warm || self.loader.source().reads_copies() || self.guard_says_missing(&key);
+        let (verdict, looked, won) = if plain {
+            let (verdict, looked) = Box::pin(self.look_up(&key, now, grace)).await;
+            if warm && looked.absent {
+                self.warm.forget(&key);
+            }
+            (verdict, looked, None)
+        } else {
+            Box::pin(self.look_up_or_claim(&key, now, grace)).await
+        };
+        self.after_look_up(key, now, verdict, looked, ticket, won)
+            .await
+    }
+
+    /// The first look that claims (see [`ReadPath::get_from_redis`]), its
+    /// verdict, and the claim when won.
+    async fn look_up_or_claim(
+        self: &Arc<Self>,
+        key: &S::Key,
+        now: u64,
+        grace: Duration,
+    ) -> (Verdict, Looked, Option<Box<Won<S>>>) {
+        let keys = self.keys.item(key);
+        match leader::look_up_or_claim(self, key, &keys).await {
+            Ok((_, Some(won))) => {
+                let looked = Looked {
+                    redis_up: true,
+                    absent: true,
+                };
+                (Verdict::Miss, looked, Some(won))
+            }
+            Ok((entry, None)) => {
+                let (verdict, looked) = self.judge_look_up(Ok(entry), now, grace);
+                (verdict, looked, None)
+            }
+            Err(error) => {
+                let (verdict, looked) = self.judge_look_up(Err(error), now, grace);
+                (verdict, looked, None)
+            }
+        }
     }
 
     /// What follows the first look in Redis (`verdict`, and what the look
@@ -294,13 +351,24 @@ impl<S: Source> ReadPath<S> {
         verdict: Verdict,
         looked: Looked,
         ticket: memory::Ticket,
+        won: Option<Box<Won<S>>>,
     ) -> Result<Answer, ReadError> {
         let answer = self
-            .answer_after_look_up(key.clone(), now, verdict, looked, ticket)
+            .answer_after_look_up(key.clone(), now, verdict, looked, ticket, won)
             .await;
         if let Ok(answer) = &answer {
             // What this process serves from now on is no older.
             self.memory.supersede(&key, answer.entry());
+            if matches!(
+                answer.served,
+                Served::Hit
+                    | Served::Stale
+                    | Served::Miss
+                    | Served::CoalescedLocal
+                    | Served::CoalescedRemote
+            ) {
+                self.warm.mark(&key);
+            }
             if let Some(ordinal) = S::ordinal(&key) {
                 if answer.entry().status() == crate::cache::Status::Found {
                     self.guard.seen_found(ordinal);
@@ -317,6 +385,7 @@ impl<S: Source> ReadPath<S> {
         verdict: Verdict,
         looked: Looked,
         ticket: memory::Ticket,
+        won: Option<Box<Won<S>>>,
     ) -> Result<Answer, ReadError> {
         let span = tracing::Span::current();
         match verdict {
@@ -360,6 +429,11 @@ impl<S: Source> ReadPath<S> {
         }
         // Boxed: a hit in Redis never makes it.
         Box::pin(self.in_flight(key, move |this, key| async move {
+            // The claim this request's first look won, if it did: the
+            // flight's election takes it (won.rs). Dropped untaken (this
+            // request joined a flight already running, or the flight ends
+            // without electing), it is let go.
+            let _won = won;
             if !looked.redis_up {
                 return this.loader.bypass(&key).await;
             }

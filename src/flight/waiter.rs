@@ -184,7 +184,17 @@ impl<'a, S: Source> Flight<'a, S> {
     /// One election: in the value key if the last look found it empty (one
     /// command, no script), else, or if an entry landed there meanwhile,
     /// in the lock key. `Some` with what the leader must see when won.
+    ///
+    /// A claim won for the key at a request's first look (see `won.rs`) is
+    /// taken first: this flight leads with it, no command sent.
     async fn elect(&mut self) -> Result<Option<Before>, RedisError> {
+        if let Some(token) = self.path.won.take(self.key) {
+            self.claim = claim_of(&token);
+            self.token = token;
+            self.in_value = true;
+            let fence = String::new();
+            return Ok(Some(Before { entry: None, fence }));
+        }
         if self.claim_value {
             let claimed = leader::claim_value(self.path, &self.in_value_keys, &self.claim).await?;
             match claimed {
@@ -197,7 +207,7 @@ impl<'a, S: Source> Flight<'a, S> {
                     return Ok(None);
                 }
                 // Looked at again before the next election.
-                ValueClaim::Stored => self.claim_value = false,
+                ValueClaim::Stored(_) => self.claim_value = false,
             }
         }
         self.in_value = false;

@@ -9,6 +9,8 @@ mod lookup;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
+use bytes::Bytes;
+
 use fred::{
     prelude::*,
     types::{Expiration, SetOptions},
@@ -60,9 +62,25 @@ pub enum ValueClaim {
     /// Another leader's claim is there: wait for it.
     Held,
     /// Something else is stored there (an entry, a copy kept past its
-    /// freshness, bytes of another layout): nothing was taken.
-    Stored,
+    /// freshness, bytes of another layout), given as read: nothing was
+    /// taken.
+    Stored(Bytes),
 }
+
+/// What a request's first look at an item found (see
+/// [`RedisCommands::look_up_or_claim`]).
+#[derive(Debug)]
+pub enum FirstLook {
+    /// Nothing was there: the item is claimed for this request's flight.
+    Claimed,
+    /// What the key holds, decoded as a lookup does (`None`: a leader's
+    /// claim, or bytes that are not an entry).
+    Looked(Option<Entry>),
+}
+
+/// Run where a won claim's reply is read, before any later reply of the
+/// node's value claims is handed out (see [`RedisCommands::look_up_or_claim`]).
+pub type OnWon = Box<dyn FnOnce() + Send>;
 
 /// The command clients plus the bound applied to each command.
 #[derive(Clone)]
@@ -293,13 +311,60 @@ impl RedisCommands {
         ttl: Duration,
         with_fence: bool,
     ) -> Result<ValueClaim, RedisError> {
+        let claimed = self.value_claim(keys, claim, ttl, with_fence, None).await?;
+        metrics::lock_election(matches!(claimed, ValueClaim::Won { .. }));
+        Ok(claimed)
+    }
+
+    /// A request's first look at an item, which claims it if it is absent
+    /// (a memcache lease: a miss and its election in one command). As
+    /// [`RedisCommands::claim_value`] without the fence; what the key holds
+    /// is returned in full (`Stored`), as a lookup would.
+    ///
+    /// `on_won` runs where the won reply is read, before any later reply
+    /// of the node's value claims is handed out: a request of this process
+    /// that looks later finds the claim and, if it starts the flight, can
+    /// find it handed over (see `flight/won.rs`). A lookup that claims
+    /// counts as a won election; one that finds the key held or stored
+    /// counts as nothing (it was a lookup).
+    pub async fn look_up_or_claim(
+        &self,
+        keys: &ItemKeys,
+        claim: &str,
+        ttl: Duration,
+        on_won: OnWon,
+    ) -> Result<FirstLook, RedisError> {
+        let claimed = self
+            .value_claim(keys, claim, ttl, false, Some(on_won))
+            .await?;
+        Ok(match claimed {
+            ValueClaim::Won { .. } => {
+                metrics::lock_election(true);
+                FirstLook::Claimed
+            }
+            ValueClaim::Held => FirstLook::Looked(None),
+            ValueClaim::Stored(raw) => FirstLook::Looked(decoded(&keys.value, Some(raw))),
+        })
+    }
+
+    async fn value_claim(
+        &self,
+        keys: &ItemKeys,
+        claim: &str,
+        ttl: Duration,
+        with_fence: bool,
+        on_won: Option<OnWon>,
+    ) -> Result<ValueClaim, RedisError> {
         let fence = with_fence.then_some(keys.fence.as_str());
         let item = (keys.value.as_str(), fence, claim, ttl);
         let claimed = if self.sharded {
-            self.claim_values(&[item]).await.pop()
+            let claimed = self.claim_values(&[item]).await.pop();
+            won(&claimed, on_won);
+            claimed
         } else {
             // Batched naturally with the node's other value claims.
             let node = self.nodes.for_key(&keys.value);
+            let mut on_won = Some(on_won);
             let turn = node.value_claims.turn(self, &node, || {
                 let (reply, answer) = oneshot::channel();
                 let queued = QueuedValueClaim {
@@ -307,6 +372,7 @@ impl RedisCommands {
                     fence: with_fence.then(|| keys.fence.clone()),
                     claim: claim.to_owned(),
                     ttl,
+                    on_won: on_won.take().flatten(),
                     reply,
                 };
                 (queued, answer)
@@ -314,15 +380,15 @@ impl RedisCommands {
             match turn {
                 Turn::Lead(baton) => {
                     let claimed = self.claim_values(&[item]).await.pop();
+                    // Before the baton hands the turn to the queued claims.
+                    won(&claimed, on_won.flatten());
                     drop(baton);
                     claimed
                 }
                 Turn::Queued(answer) => Some(queued_reply(self, answer).await),
             }
         };
-        let claimed = claimed.unwrap_or(Err(RedisError::Reply("claim")))?;
-        metrics::lock_election(matches!(claimed, ValueClaim::Won { .. }));
-        Ok(claimed)
+        claimed.unwrap_or(Err(RedisError::Reply("claim")))
     }
 
     /// The value claims of `items` (each its value key, fence key if read,
@@ -511,12 +577,19 @@ fn value_claim(held: Value, fence: Value) -> Result<ValueClaim, RedisError> {
                 fence => fence.into_string().ok_or(RedisError::Reply("claim"))?,
             },
         },
-        held => match held.as_bytes() {
-            Some(held) if is_claim(held) => ValueClaim::Held,
-            Some(_) => ValueClaim::Stored,
-            None => return Err(RedisError::Reply("claim")),
-        },
+        Value::Bytes(held) if is_claim(&held) => ValueClaim::Held,
+        Value::Bytes(held) => ValueClaim::Stored(held),
+        Value::String(held) if is_claim(held.as_bytes()) => ValueClaim::Held,
+        Value::String(held) => ValueClaim::Stored(held.into_inner()),
+        _ => return Err(RedisError::Reply("claim")),
     })
+}
+
+/// Runs `on_won` if `claimed` is a won claim.
+pub(super) fn won(claimed: &Option<Result<ValueClaim, RedisError>>, on_won: Option<OnWon>) {
+    if let (Some(Ok(ValueClaim::Won { .. })), Some(on_won)) = (claimed, on_won) {
+        on_won();
+    }
 }
 
 /// The commands on a real Redis (REDIS_URL, else the local one), under a key
@@ -586,12 +659,13 @@ mod tests {
         // An entry there (a copy past its freshness, say): nothing taken.
         let entry = Entry::new(Status::Found, b"{}", minute, Duration::ZERO);
         commands.store(&stored.value, &entry, minute).await.unwrap();
-        assert_eq!(
-            commands
-                .claim_value(&stored, &ours, minute, true)
-                .await
-                .unwrap(),
-            ValueClaim::Stored
+        let claimed = commands
+            .claim_value(&stored, &ours, minute, true)
+            .await
+            .unwrap();
+        assert!(
+            matches!(&claimed, ValueClaim::Stored(raw) if Entry::decode(raw.clone()).unwrap() == entry),
+            "{claimed:?}"
         );
         assert_eq!(commands.lookup(&stored.value).await.unwrap(), Some(entry));
 
@@ -600,6 +674,65 @@ mod tests {
                 .del(vec![keys.value.clone(), keys.fence.clone()])
                 .await
                 .unwrap();
+        }
+    }
+
+    /// A first look claims an absent key (its hook run first), and reads
+    /// anything else as a lookup would, leaving it as it was.
+    #[tokio::test]
+    async fn a_first_look_claims_an_absent_key_and_reads_anything_else() {
+        let (client, commands, prefix) = redis().await;
+        let names = Keys::new(prefix, "post");
+        let (cold, stored, garbage) = (names.item(1), names.item(2), names.item(3));
+        let minute = Duration::from_secs(60);
+        let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let hook = || -> OnWon {
+            let ran = ran.clone();
+            Box::new(move || {
+                ran.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            })
+        };
+        let ours = claim_of("a");
+
+        let looked = commands.look_up_or_claim(&cold, &ours, minute, hook());
+        assert!(matches!(looked.await.unwrap(), FirstLook::Claimed));
+        assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let held: Option<String> = client.get(&cold.value).await.unwrap();
+        assert_eq!(held.as_deref(), Some(ours.as_str()));
+        let pttl: i64 = client.pttl(&cold.value).await.unwrap();
+        assert!((50_000..=60_000).contains(&pttl), "{pttl}");
+        // Claimed already: seen as no entry, the claim left alone.
+        let theirs = claim_of("b");
+        let looked = commands.look_up_or_claim(&cold, &theirs, minute, hook());
+        assert!(matches!(looked.await.unwrap(), FirstLook::Looked(None)));
+        let held: Option<String> = client.get(&cold.value).await.unwrap();
+        assert_eq!(held.as_deref(), Some(ours.as_str()));
+
+        // An entry: read whole, its TTL untouched.
+        let entry = Entry::new(Status::Found, b"{\"id\":2}", minute, Duration::ZERO);
+        let hour = Duration::from_secs(3600);
+        commands.store(&stored.value, &entry, hour).await.unwrap();
+        let looked = commands.look_up_or_claim(&stored, &ours, minute, hook());
+        assert!(
+            matches!(looked.await.unwrap(), FirstLook::Looked(Some(e)) if e == entry),
+            "the entry"
+        );
+        let pttl: i64 = client.pttl(&stored.value).await.unwrap();
+        assert!(pttl > 3_500_000, "{pttl}");
+        // Bytes that are not an entry (another layout): no entry, and not
+        // taken (the next store replaces them).
+        let _: () = client
+            .set(&garbage.value, "not an entry", None, None, false)
+            .await
+            .unwrap();
+        let looked = commands.look_up_or_claim(&garbage, &ours, minute, hook());
+        assert!(matches!(looked.await.unwrap(), FirstLook::Looked(None)));
+        let kept: Option<String> = client.get(&garbage.value).await.unwrap();
+        assert_eq!(kept.as_deref(), Some("not an entry"));
+        assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 1, "won once");
+
+        for keys in [&cold, &stored, &garbage] {
+            let _: i64 = client.del(&keys.value).await.unwrap();
         }
     }
 }

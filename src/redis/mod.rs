@@ -18,7 +18,7 @@ mod queued;
 pub mod scripts;
 mod subscriber;
 
-pub use commands::{Before, LockTtl, RedisCommands, ValueClaim};
+pub use commands::{Before, FirstLook, LockTtl, OnWon, RedisCommands, ValueClaim};
 pub use connect::{config_from_url, connect, connect_commands};
 pub use error::{with_backoff, RedisError, RETRY_FIRST};
 pub use inspect::{snapshot, ItemSnapshot};

@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use super::{
     coalesce::{again, Batched, Coalescer},
-    commands::{RedisCommands, ValueClaim},
+    commands::{OnWon, RedisCommands, ValueClaim},
     error::RedisError,
     nodes::Node,
     scripts::{ClaimKeys, Claimed, FinishMany, LockOp, OnLock},
@@ -110,11 +110,15 @@ pub(super) struct QueuedValueClaim {
     pub fence: Option<String>,
     pub claim: String,
     pub ttl: Duration,
+    /// Run before the reply is sent, and before the later claims' (see
+    /// [`RedisCommands::look_up_or_claim`]), if it won and its caller waits.
+    pub on_won: Option<OnWon>,
     pub reply: oneshot::Sender<Result<ValueClaim, RedisError>>,
 }
 
 impl Batched for QueuedValueClaim {
-    const MAX_BATCH: usize = 64;
+    /// As many as a batch of lookups: every request's first look is one.
+    const MAX_BATCH: usize = QueuedGet::MAX_BATCH;
 
     fn queue(node: &Node) -> &Coalescer<Self> {
         &node.value_claims
@@ -142,6 +146,11 @@ impl Batched for QueuedValueClaim {
         drop(items);
         for (queued, claimed) in batch.into_iter().zip(answers) {
             let took = matches!(claimed, Ok(ValueClaim::Won { .. }));
+            if took && !queued.reply.is_closed() {
+                if let Some(on_won) = queued.on_won {
+                    on_won();
+                }
+            }
             if queued.reply.send(claimed).is_err() && took {
                 let_go(commands, &queued.value, &queued.claim).await;
             }
@@ -260,15 +269,22 @@ mod tests {
 
     #[tokio::test]
     async fn queued_value_claims_go_in_one_pipeline_and_one_whose_caller_left_takes_nothing() {
+        // Which claims' `on_won` ran, in order.
+        let ran = Arc::new(std::sync::Mutex::new(Vec::new()));
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         let client = Client::new(Config::from_url(&url).unwrap(), None, None, None);
         client.init().await.expect("the tests' Redis is up");
         let commands = RedisCommands::new(client.clone(), Duration::from_secs(1));
         let prefix = format!("postcache:queued:{:016x}:", rand::random::<u64>());
         let names = Keys::new(prefix, "post");
-        let (gone, kept, held) = (names.item(1), names.item(2), names.item(3));
+        let (gone, kept, held, stored) =
+            (names.item(1), names.item(2), names.item(3), names.item(4));
         let _: () = client
             .set(&held.value, "\0claim:other", None, None, false)
+            .await
+            .unwrap();
+        let _: () = client
+            .set(&stored.value, "an entry", None, None, false)
             .await
             .unwrap();
         let node = commands.node_of(&gone.value);
@@ -281,11 +297,13 @@ mod tests {
         let queue = |keys: &ItemKeys, claim: &str| {
             let queued = node.value_claims.turn(&commands, &node, || {
                 let (reply, answer) = oneshot::channel();
+                let (ran, name) = (ran.clone(), claim.to_owned());
                 let claim = QueuedValueClaim {
                     value: keys.value.clone(),
                     fence: Some(keys.fence.clone()),
                     claim: claim.to_owned(),
                     ttl: Duration::from_secs(60),
+                    on_won: Some(Box::new(move || ran.lock().unwrap().push(name))),
                     reply,
                 };
                 (claim, answer)
@@ -298,6 +316,7 @@ mod tests {
         let gone_answer = queue(&gone, "\0claim:a");
         let kept_answer = queue(&kept, "\0claim:b");
         let held_answer = queue(&held, "\0claim:c");
+        let stored_answer = queue(&stored, "\0claim:d");
         drop(gone_answer);
         drop(baton);
         let claimed = queued_reply(&commands, kept_answer).await.unwrap();
@@ -309,12 +328,20 @@ mod tests {
         );
         let claimed = queued_reply(&commands, held_answer).await.unwrap();
         assert_eq!(claimed, ValueClaim::Held);
+        let claimed = queued_reply(&commands, stored_answer).await.unwrap();
+        assert_eq!(claimed, ValueClaim::Stored(Bytes::from_static(b"an entry")));
+        // Only the won claim whose caller waited ran its hook.
+        assert_eq!(*ran.lock().unwrap(), ["\0claim:b"]);
         let value: Option<String> = client.get(&kept.value).await.unwrap();
         assert_eq!(value.as_deref(), Some("\0claim:b"));
         let value: Option<String> = client.get(&gone.value).await.unwrap();
         assert_eq!(value, None, "a claim nobody waits for was taken");
         let _: i64 = client
-            .del(vec![kept.value.clone(), held.value.clone()])
+            .del(vec![
+                kept.value.clone(),
+                held.value.clone(),
+                stored.value.clone(),
+            ])
             .await
             .unwrap();
     }

@@ -246,14 +246,27 @@ impl TestEnv {
         .await;
     }
 
-    /// Waits until `n` reads are in progress over `apps` and a load is
-    /// blocked (held back by a [`TableLock`]): the stampede is assembled.
+    /// Waits until `n` reads are in progress over `apps`, a load is
+    /// blocked (held back by a [`TableLock`]), and the instances have gone
+    /// quiet in Redis: every read has had its first look and waits. (The
+    /// first look that claims the post sends its leader to the load at
+    /// once, while the other reads' looks may still be queued.) The
+    /// stampede is assembled.
     pub async fn until_held(&self, apps: &[TestApp], n: usize) {
         wait_until(
             "requests to arrive and the leader to block",
             A_WHILE,
             async || in_progress(apps) >= n && blocked_loads(self).await >= 1,
         )
+        .await;
+        // The counter is the process's: every instance here counts in it.
+        let calls = async || apps[0].http.metric("postcache_redis_calls_total").await;
+        let mut last = calls().await;
+        wait_until("the instances to go quiet in Redis", A_WHILE, async || {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let now = calls().await;
+            std::mem::replace(&mut last, now) == now
+        })
         .await;
     }
 

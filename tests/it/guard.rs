@@ -1,5 +1,6 @@
 //! The existence guard: ids that cannot exist are answered 404 without a
-//! look in Redis or a load; an insert is served once the change feed has
+//! load (after one look in Redis, which may hold an entry the guard has
+//! not heard of); an insert is served once the change feed has
 //! applied it; with the feed off the guard stands aside.
 
 use postcache::testkit::{wait_until, RedisServer, TestApp, TestEnv, A_WHILE};
@@ -27,12 +28,18 @@ async fn ids_that_cannot_exist_never_reach_postgres() {
     assert!(metric(&app, "postcache_guard_bytes").await > 0.0);
 
     let statements = metric(&app, "postcache_db_statements_total").await;
+    let calls = metric(&app, "postcache_redis_calls_total").await;
     for id in 1_000..1_200 {
         let reply = app.get(&format!("/posts/{id}")).await;
         assert_eq!(reply.status, 404, "post {id}");
         assert_eq!(reply.tier(), Some("guard"));
         assert!(!reply.error().is_empty());
     }
+    // One look in Redis each (a plain GET: a first look that claimed would
+    // leave a claim to let go of), and nothing left claimed.
+    let looks = metric(&app, "postcache_redis_calls_total").await - calls;
+    assert!((200.0..250.0).contains(&looks), "{looks} Redis round trips");
+    assert!(!env.lock_held(1_000).await, "post 1000 claimed");
     let list = (2_001..2_100)
         .map(|id| id.to_string())
         .collect::<Vec<_>>()

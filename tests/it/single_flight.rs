@@ -200,3 +200,53 @@ async fn after_a_burst_no_subscriber_and_no_lock_remain() {
     )
     .await;
 }
+
+/// A cold miss's leader makes two round trips to Redis: its first look,
+/// which claims the post (a memcache lease's get), and its finish, after
+/// it has answered. No lookup before the claim, no lock key.
+#[tokio::test]
+async fn a_cold_miss_makes_two_redis_round_trips() {
+    let env = TestEnv::new(10).await;
+    let app = env.spawn(&["--change-feed", "off"]).await;
+    let calls = async || app.http.metric("postcache_redis_calls_total").await;
+    let before = calls().await;
+
+    let reply = app.get("/posts/3").await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.x_cache.as_deref(), Some("miss"));
+    // The finish has landed (it runs after the answer).
+    let stored = env.stored(3).await.expect("post 3 stored");
+    assert_eq!(stored.body(), reply.body);
+
+    assert_eq!(calls().await - before, 2.0, "Redis round trips");
+    assert!(!env.lock_held(3).await, "the claim was replaced");
+}
+
+/// A request whose first look claims a post that a flight of its process
+/// already waits on (the claim it waited on gone without a word) joins
+/// that flight and lets its own claim go at once, with `retry`: the flight
+/// elects again now instead of sleeping out the claim it had seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_won_by_a_request_that_joins_a_waiting_flight_wakes_it() {
+    let env = TestEnv::new(10).await;
+    let before = env.post_reads().await;
+    let value_key = env.claim(5, "vanishing", Duration::from_secs(20)).await;
+    let app = env.spawn(PATIENT).await;
+
+    let first = app.http.spawn_get("/posts/5");
+    env.until_subscribed(5).await;
+    // Past its re-check: asleep until the claim's 20 s run out, or a message.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _: i64 = env.redis.del(&value_key).await.unwrap();
+
+    let started = Instant::now();
+    let second = app.get("/posts/5").await;
+    let (first, _) = first.await.unwrap();
+    let took = started.elapsed();
+    app.stop().await;
+
+    assert_eq!((first.status, second.status), (200, 200));
+    assert_eq!(first.body, second.body);
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+    assert_eq!(env.post_reads().await - before, 1);
+}
