@@ -392,8 +392,16 @@ impl RedisCommands {
     }
 
     /// The value claims of `items` (each its value key, fence key if read,
-    /// claim and TTL; all served by one node) in one pipeline, under the
+    /// claim and TTL; all served by one node) in one round trip, under the
     /// node's breaker: each one's reply, in their order.
+    ///
+    /// The commands are sent at once, each on its own, not as a fred
+    /// `Pipeline`: fred 10.1 writes a pipeline's commands one by one and
+    /// flushes after each (its router flushes whenever no other command is
+    /// queued behind the one it writes, and a pipeline reaches it as one
+    /// message), a `writev` per command; commands sent at once queue behind
+    /// each other and go out in one write. In a cold storm the instance's
+    /// `writev`s per request fell from 0.95 to 0.12 (`load/cold-syscalls`).
     pub(super) async fn claim_values(
         &self,
         items: &[(&str, Option<&str>, &str, Duration)],
@@ -403,17 +411,21 @@ impl RedisCommands {
         };
         let sent: Result<Vec<Value>, RedisError> = self
             .bounded(first, |c| async move {
-                let pipeline = c.pipeline();
+                let mut sent = Vec::with_capacity(items.len());
                 for &(value, fence, claim, ttl) in items {
                     let px = Some(Expiration::PX(ms(ttl).max(1)));
-                    let () = pipeline
-                        .set(value, claim, px, Some(SetOptions::NX), true)
-                        .await?;
+                    sent.push(futures::future::Either::Left(c.set::<Value, _, _>(
+                        value,
+                        claim,
+                        px,
+                        Some(SetOptions::NX),
+                        true,
+                    )));
                     if let Some(fence) = fence {
-                        let () = pipeline.get(fence).await?;
+                        sent.push(futures::future::Either::Right(c.get::<Value, _>(fence)));
                     }
                 }
-                pipeline.all().await
+                futures::future::try_join_all(sent).await
             })
             .await;
         let sent_count: usize = items

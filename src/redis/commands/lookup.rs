@@ -64,11 +64,9 @@ impl RedisCommands {
         metrics::redis_call();
         let sent = Box::pin(async {
             if self.sharded {
-                let pipeline = node.client.pipeline();
-                for name in names {
-                    pipeline.get::<(), _>(*name).await?;
-                }
-                pipeline.all::<Vec<Option<Bytes>>>().await
+                // Sent at once, not as a fred pipeline (see `claim_values`).
+                let gets = names.iter().map(|name| node.client.get::<Option<Bytes>, _>(*name));
+                futures::future::try_join_all(gets).await
             } else {
                 node.client
                     .mget::<Vec<Option<Bytes>>, _>(names.to_vec())
