@@ -65,7 +65,9 @@ impl RedisCommands {
         let sent = Box::pin(async {
             if self.sharded {
                 // Sent at once, not as a fred pipeline (see `claim_values`).
-                let gets = names.iter().map(|name| node.client.get::<Option<Bytes>, _>(*name));
+                let gets = names
+                    .iter()
+                    .map(|name| node.client.get::<Option<Bytes>, _>(*name));
                 futures::future::try_join_all(gets).await
             } else {
                 node.client
