@@ -378,6 +378,13 @@ impl TestEnv {
         raw.map(|raw| Entry::decode(raw).expect("a decodable entry"))
     }
 
+    /// The post stored for `id` (see [`TestEnv::stored`]), as JSON; `None`
+    /// when nothing is stored. Panics on a body that is not JSON.
+    pub async fn stored_post(&self, id: i64) -> Option<serde_json::Value> {
+        let entry = self.stored(id).await?;
+        Some(serde_json::from_slice(&entry.body()).expect("a JSON body"))
+    }
+
     /// What `key` holds once no claim is there (see [`TestEnv::stored`]).
     async fn settled(&self, key: &str) -> Option<bytes::Bytes> {
         let give_up = std::time::Instant::now() + A_WHILE;

@@ -159,8 +159,7 @@ async fn a_key_fenced_mid_batch_reads_again_and_the_others_are_stored() {
     for (id, request) in (2..=10).zip(queued) {
         let (reply, _) = request.await.unwrap();
         assert_eq!(reply.status, 200, "post {id}");
-        let stored = env.stored(id).await.expect("stored");
-        let body: serde_json::Value = serde_json::from_slice(&stored.body()).unwrap();
+        let body = env.stored_post(id).await.expect("stored");
         if id == 5 {
             assert_eq!(reply.json()["title"], "after the change");
             assert_eq!(body["title"], "after the change");

@@ -150,8 +150,7 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
         "after the change",
         "a waiter elsewhere"
     );
-    let stored = env.stored(7).await.expect("the new row is stored");
-    let body: serde_json::Value = serde_json::from_slice(&stored.body()).unwrap();
+    let body = env.stored_post(7).await.expect("the new row is stored");
     assert_eq!(body["title"], "after the change");
     assert_eq!(
         other.http.title(7).await.as_deref(),
@@ -199,8 +198,7 @@ async fn a_leader_answers_the_row_it_read_before_its_finish_which_a_change_fence
         "after the change",
         "a waiter elsewhere"
     );
-    let stored = env.stored(7).await.expect("the new row is stored");
-    let body: serde_json::Value = serde_json::from_slice(&stored.body()).unwrap();
+    let body = env.stored_post(7).await.expect("the new row is stored");
     assert_eq!(body["title"], "after the change");
     wait_until("the leader's finish to be fenced", A_WHILE, async || {
         leader.http.metric("postcache_fenced_total").await > fenced_before

@@ -347,8 +347,7 @@ async fn sigterm_drains_a_background_refresh() {
 
     assert_eq!(stale.x_cache.as_deref(), Some("stale"));
     assert!(exited, "the process did not exit");
-    let stored = env.stored(4).await.expect("an entry stored");
-    let post: serde_json::Value = serde_json::from_slice(&stored.body()).unwrap();
+    let post = env.stored_post(4).await.expect("an entry stored");
     assert_eq!(
         post["title"], "refreshed",
         "the refresh landed before the exit"
