@@ -28,6 +28,7 @@ use crate::{
 const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
 const X_CACHE_TIER: HeaderName = HeaderName::from_static("x-cache-tier");
 const X_CACHE_BYPASS: HeaderName = HeaderName::from_static("x-cache-bypass");
+const CACHE_STATUS: HeaderName = HeaderName::from_static("cache-status");
 /// RFC 7234 warning codes, kept as the marker of stale answers.
 pub const WARNING_STALE: &str = "110 - \"Response is Stale\"";
 pub const WARNING_REVALIDATION_FAILED: &str = "111 - \"Revalidation Failed\"";
@@ -197,6 +198,10 @@ pub(super) fn respond(
     headers.insert(
         X_CACHE,
         HeaderValue::from_static(served::header(answer.served)),
+    );
+    headers.insert(
+        CACHE_STATUS,
+        HeaderValue::from_static(served::cache_status(answer.served)),
     );
     if let Some(tier) = served::hit_tier(answer.served) {
         headers.insert(X_CACHE_TIER, HeaderValue::from_static(tier));

@@ -85,6 +85,7 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
     let x_cache = values(|s| Some(served::header(s)));
     let tiers = values(served::hit_tier);
     let bypass_reasons = values(served::bypass_reason);
+    let cache_status = values(|s| Some(served::cache_status(s)));
     let one_of = |values: Vec<&str>| {
         ObjectBuilder::new()
             .schema_type(Type::String)
@@ -106,6 +107,18 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
                  instance), `stale` a stale copy (refreshing in the background, or a fail-safe \
                  copy while loads fail), `bypass` Redis skipped (down, or strategy `none`, or \
                  the post too large to cache: see `X-Cache-Bypass`).",
+            ),
+        ),
+        (
+            "Cache-Status",
+            header(
+                one_of(cache_status).into(),
+                "How it was served, in the words of RFC 9211: `hit` answered without a load \
+                 (`detail`: `memory`, `redis`, `stale`, or `existence-guard` for a post known \
+                 not to exist, told without a load and never cached), `fwd=miss` loaded from \
+                 PostgreSQL (`collapsed` by another request's load: `detail=local` in this \
+                 process, `detail=fleet` in another instance), `fwd=bypass` loaded without \
+                 the cache (Redis skipped, or `detail=too-large`).",
             ),
         ),
         (

@@ -1,6 +1,6 @@
-//! HTTP: how an answer was served, as HTTP shows it: the `X-Cache` and
-//! `X-Cache-Tier` headers and the `outcome` and `tier` labels of the request
-//! metrics.
+//! HTTP: how an answer was served, as HTTP shows it: the `X-Cache`,
+//! `X-Cache-Tier` and `Cache-Status` headers and the `outcome` and `tier`
+//! labels of the request metrics.
 
 use crate::{cache::Status, flight::Served};
 
@@ -26,6 +26,28 @@ pub fn header(served: Served) -> &'static str {
         Served::Miss => "miss",
         Served::CoalescedLocal | Served::CoalescedRemote => "coalesced",
         Served::Bypass | Served::TooLarge => "bypass",
+    }
+}
+
+/// The `Cache-Status` header (RFC 9211): how the answer was served, in the
+/// standard's words. `hit` is an answer given without a load (`detail`
+/// says where from: the memory tier, Redis, a stale copy, or the existence
+/// guard, which knows the post cannot exist and caches nothing); `fwd=miss`
+/// is an answer loaded from PostgreSQL, `collapsed` when by another
+/// request's load (`detail`: of this process or of another instance);
+/// `fwd=bypass` is a load that skipped the cache. Static strings: a hit
+/// pays no formatting for it.
+pub fn cache_status(served: Served) -> &'static str {
+    match served {
+        Served::Memory => "postcache; hit; detail=memory",
+        Served::Hit => "postcache; hit; detail=redis",
+        Served::Stale => "postcache; hit; detail=stale",
+        Served::Guard => "postcache; hit; detail=existence-guard",
+        Served::Miss => "postcache; fwd=miss",
+        Served::CoalescedLocal => "postcache; fwd=miss; collapsed; detail=local",
+        Served::CoalescedRemote => "postcache; fwd=miss; collapsed; detail=fleet",
+        Served::Bypass => "postcache; fwd=bypass",
+        Served::TooLarge => "postcache; fwd=bypass; detail=too-large",
     }
 }
 

@@ -36,6 +36,14 @@ impl Reply {
             .and_then(|v| v.to_str().ok())
     }
 
+    /// `Cache-Status` (RFC 9211): how the answer was served, in the
+    /// standard's words.
+    pub fn cache_status(&self) -> Option<&str> {
+        self.headers
+            .get("cache-status")
+            .and_then(|v| v.to_str().ok())
+    }
+
     #[track_caller]
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body)

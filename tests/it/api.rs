@@ -347,6 +347,7 @@ async fn the_openapi_document_is_served_with_the_caching_headers_of_reads() {
         "X-Cache",
         "X-Cache-Tier",
         "X-Cache-Bypass",
+        "Cache-Status",
         "ETag",
         "Cache-Control",
         "Age",

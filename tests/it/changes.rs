@@ -293,6 +293,7 @@ async fn with_stale_while_revalidate_a_changed_post_is_served_stale_while_it_rel
     }
 
     assert_eq!(stale.x_cache.as_deref(), Some("stale"));
+    assert_eq!(stale.cache_status(), Some("postcache; hit; detail=stale"));
     assert_eq!(stale.json()["title"], before, "the old body, marked stale");
     wait_until("the refresh", A_WHILE, async || {
         app.http.title(3).await.as_deref() == Some("refreshed")

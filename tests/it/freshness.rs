@@ -301,6 +301,11 @@ async fn revalidations_past_the_memory_tier_get_304_from_redis_and_after_a_load(
     assert_eq!(from_redis.status, 304);
     assert_eq!(from_redis.tier(), Some("redis"));
     assert_eq!(
+        from_redis.cache_status(),
+        Some("postcache; hit; detail=redis"),
+        "a 304 says how it was served as a 200 would"
+    );
+    assert_eq!(
         waited.iter().map(|r| r.status).collect::<Vec<_>>(),
         [304, 304, 304]
     );

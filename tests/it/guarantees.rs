@@ -83,6 +83,7 @@ async fn a_busy_redis_opens_the_breaker_instead_of_counting_as_up() {
             (reply.status, reply.x_cache.as_deref()),
             (200, Some("bypass"))
         );
+        assert_eq!(reply.cache_status(), Some("postcache; fwd=bypass"));
     }
     redis.cli(&["script", "kill"]);
     let ready = app.get("/readyz").await;

@@ -33,6 +33,10 @@ async fn ids_that_cannot_exist_never_reach_postgres() {
         let reply = app.get(&format!("/posts/{id}")).await;
         assert_eq!(reply.status, 404, "post {id}");
         assert_eq!(reply.tier(), Some("guard"));
+        assert_eq!(
+            reply.cache_status(),
+            Some("postcache; hit; detail=existence-guard")
+        );
         assert!(!reply.error().is_empty());
     }
     // One look in Redis each (a plain GET: a first look that claimed would

@@ -36,12 +36,39 @@ async fn a_stampede_warms_every_instance_with_one_load() {
         .filter(|r| r.x_cache.as_deref() == Some("miss"))
         .count();
     assert_eq!(misses, 1);
+    // Cache-Status says the same in RFC 9211's words, and tells the
+    // requests served by their own instance's load from those served by
+    // another instance's.
+    let mut statuses = std::collections::BTreeMap::<_, usize>::new();
+    for reply in &replies {
+        let status = reply.cache_status().expect("a Cache-Status on every read");
+        let expected = match reply.x_cache.as_deref() {
+            Some("miss") => &["postcache; fwd=miss"][..],
+            Some("coalesced") => &[
+                "postcache; fwd=miss; collapsed; detail=local",
+                "postcache; fwd=miss; collapsed; detail=fleet",
+            ],
+            other => panic!("X-Cache {other:?} in a stampede"),
+        };
+        assert!(
+            expected.contains(&status),
+            "{status} for {:?}",
+            reply.x_cache
+        );
+        *statuses.entry(status).or_default() += 1;
+    }
+    assert_eq!(
+        statuses.len(),
+        3,
+        "a miss, local and fleet joiners: {statuses:?}"
+    );
     for reply in &after {
         assert_eq!(
             (reply.x_cache.as_deref(), reply.tier()),
             (Some("hit"), Some("memory")),
             "every instance kept the stampede's answer"
         );
+        assert_eq!(reply.cache_status(), Some("postcache; hit; detail=memory"));
         assert_eq!(reply.body, replies[0].body);
     }
     assert_eq!(env.post_reads().await - before, 1, "one load for the fleet");
