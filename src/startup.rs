@@ -51,8 +51,8 @@ pub struct Application {
     /// The metrics exporter's upkeep (see `telemetry::metrics::upkeep`).
     _metrics_upkeep: AbortOnDropHandle<()>,
     /// Builds the existence guard whenever it stands aside and the change
-    /// feed is up.
-    _guard: AbortOnDropHandle<()>,
+    /// feed is up (EXISTENCE_GUARD on).
+    _guard: Option<AbortOnDropHandle<()>>,
     /// DATABASE_REPLICA_URLS, and the task that probes them.
     replicas: Option<Arc<Replicas>>,
     _replicas: Option<AbortOnDropHandle<()>>,
@@ -73,7 +73,6 @@ pub fn read_path_settings(c: &CacheSettings, database: &DatabaseSettings) -> fli
         load_batch_max: c.load_batch_max,
         load_statements: c.load_statements(database),
         load_queue_timeout: database.db_acquire_timeout,
-        existence_guard: c.existence_guard,
         redis_timeout: c.redis_timeout,
         stale_while_revalidate: c.stale_while_revalidate,
         early_refresh_beta: c.early_refresh_beta,
@@ -139,8 +138,11 @@ impl Application {
             read_path.clone(),
         )
         .await?;
-        let guard =
-            AbortOnDropHandle::new(tokio::spawn(keep_guard(read_path.clone(), feed.status())));
+        // With EXISTENCE_GUARD off nobody builds the guard, and it stands
+        // aside for good.
+        let guard = c.existence_guard.then(|| {
+            AbortOnDropHandle::new(tokio::spawn(keep_guard(read_path.clone(), feed.status())))
+        });
         let replicas_task = replicas.as_ref().map(|replicas| {
             tracing::info!(
                 replicas = replicas.report().len(),
@@ -380,8 +382,7 @@ const FEED_CHECK: std::time::Duration = std::time::Duration::from_millis(50);
 /// or an outage of the feed. Never with CHANGE_FEED=off (it stands aside).
 async fn keep_guard(read_path: Arc<ReadPath<PostStore>>, feed: crate::changes::FeedStatus) {
     loop {
-        let wanted = read_path.settings().existence_guard && read_path.guard().wants_build();
-        if wanted && feed.get() == crate::changes::FeedState::Up {
+        if read_path.guard().wants_build() && feed.get() == crate::changes::FeedState::Up {
             let started = std::time::Instant::now();
             match read_path.build_guard().await {
                 Ok(true) => {

@@ -34,8 +34,6 @@ pub struct Settings {
     /// Longest a load waits for its statement to start before its instance
     /// is busy (DB_ACQUIRE_TIMEOUT).
     pub load_queue_timeout: Duration,
-    /// Whether the existence guard answers (EXISTENCE_GUARD; guard.rs).
-    pub existence_guard: bool,
     /// Bound on each Redis command.
     pub redis_timeout: Duration,
     /// Grace window after freshness during which a stale entry is served

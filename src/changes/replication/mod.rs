@@ -407,11 +407,6 @@ fn scopeguard(f: impl FnOnce()) -> impl Drop {
     Guard(Some(f))
 }
 
-/// The instant a beat was last seen, for the lag in seconds.
-pub fn seconds_since(at: Instant) -> f64 {
-    at.elapsed().as_secs_f64()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
