@@ -10,15 +10,21 @@
 //! - [`telemetry`] — logging (its format) and the metrics (`names.rs`:
 //!   every series and what it counts).
 //! - [`startup`] — builds the service, binds, runs until a shutdown future.
-//! - [`http`] — router, handlers (`many.rs`: `GET /posts?ids=`), the one
-//!   HTTP error type, the OpenAPI document generated with the routes, and
+//! - [`http`] — the endpoint (memory hits at once, reads past the router,
+//!   the bounds), the state every handler reaches, routes, handlers
+//!   (`many.rs`: `GET /posts?ids=`), the one HTTP error type, how an answer
+//!   was served as headers (`served.rs`: X-Cache, X-Cache-Tier,
+//!   Cache-Status), the OpenAPI document generated with the routes, and
 //!   the server of connections (header and idle deadlines, the connection
 //!   cap).
-//! - [`posts`] — the post: its id (parsed wherever one arrives), its JSON
-//!   and its SQL; every `timestamptz` PostgreSQL holds (`infinity`, BC
-//!   years) as JSON; loads from read replicas that have replayed each
-//!   key's last change (`replicas.rs`, its probe `replicas/probe.rs`, and
-//!   after a change to every post `floor.rs`).
+//! - [`posts`] — the post: its id (parsed wherever one arrives), its row
+//!   and JSON, and every `timestamptz` PostgreSQL holds (`infinity`, BC
+//!   years) as JSON.
+//! - [`store`] — where posts live: the PostgreSQL pools and the embedded
+//!   migrations (`pools.rs`), [`store::PostStore`] (the read path's source
+//!   of posts), loads from read replicas that have replayed each key's
+//!   last change (`replicas/`, its probe `replicas/probe.rs`, and after a
+//!   change to every post `replica_floor.rs`), the primary's WAL position.
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`flight`] — the protocol, generic over what it loads:
 //!   look up → judge (`freshness.rs`) → in-process flight (`local.rs`) →
@@ -38,28 +44,30 @@
 //!   decoder per fleet fanned out through a Redis Stream (`replication`,
 //!   `fanout`, `pgoutput`), or the outbox trigger (`outbox`, LISTEN,
 //!   catch-up).
-//! - [`db`] — the PostgreSQL pools (the primary's, the replicas') and the
-//!   embedded migrations.
 //! - [`cli`] — `seed` (streamed, with progress), `invalidate`, `inspect`.
 //! - `testkit` (feature `testkit`) — test support shared by tests and examples.
 //!
-//! The modules depend on each other without a cycle (`load/code-shape`
-//! checks, file by file): `config` names the types it parses into from the
-//! modules that own them (the post id from `posts`, the strategy from
-//! `flight`, the log format from `telemetry`), and `startup` turns settings
-//! into the read path's; `flight` uses `redis`, never the other way round;
-//! `flight`, `redis`, `cache`, `telemetry` and `posts` never read `config`.
+//! The modules depend on each other without a cycle between top-level
+//! modules, and between files without one but those
+//! `load/code-shape.allowed` still lists (the read path's roles, the Redis
+//! side's batching; `load/code-shape --check` runs in CI and fails on any
+//! other): `config` names the types it parses into from the modules that
+//! own them (the post id from `posts`, the strategy from `flight`, the log
+//! format from `telemetry`), and `startup` turns settings into the read
+//! path's; `flight` uses `redis`, never the other way round; `flight`,
+//! `redis`, `cache`, `telemetry`, `posts` and `store` never read `config`,
+//! but for the database settings the pools are made from.
 
 pub mod cache;
 pub mod changes;
 pub mod cli;
 pub mod config;
-pub mod db;
 pub mod flight;
 pub mod http;
 pub mod posts;
 pub mod redis;
 pub mod startup;
+pub mod store;
 pub mod telemetry;
 #[cfg(feature = "testkit")]
 pub mod testkit;

@@ -23,7 +23,7 @@ async fn main() -> anyhow::Result<()> {
     postcache::startup::install_tls_provider();
     match cli.command {
         Command::Migrate(db) => {
-            postcache::db::migrate(&db).await?;
+            postcache::store::migrate(&db).await?;
             tracing::info!("migrations applied");
         }
         Command::Seed(args) => {

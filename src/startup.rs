@@ -12,11 +12,11 @@ use crate::{
     cache::{Jitter, Keys},
     changes::Feed,
     config::{CacheSettings, DatabaseSettings, ServeArgs},
-    db,
     flight::{self, ReadPath},
     http::{self, AppState, ConnectionLimits, Limits},
-    posts::{PostStore, Replicas},
     redis::{Nodes, RedisCommands, Subscriber},
+    store,
+    store::{PostStore, Replicas},
     telemetry,
 };
 
@@ -105,10 +105,13 @@ impl Application {
     async fn build_with(args: ServeArgs, settings: flight::Settings) -> anyhow::Result<Self> {
         install_tls_provider();
         args.validate()?;
-        if !args.no_migrate {
-            db::migrate(&args.database).await?;
+        if !args.database_replica_urls.0.is_empty() {
+            store::check_replica_lag(args.replica_max_lag, args.fence_ttl())?;
         }
-        let pool = db::connect(&args.database).await?;
+        if !args.no_migrate {
+            store::migrate(&args.database).await?;
+        }
+        let pool = store::connect(&args.database).await?;
         let replicas = connect_replicas(&args)?;
         let (redis, subscriber, nodes) =
             crate::redis::connect(&args.cache.redis_url, args.cache.redis_timeout).await?;
@@ -153,7 +156,7 @@ impl Application {
         });
         let caching = http::CachingHeaders::new(read_path.settings().stale_while_revalidate);
         let probe = http::Probe::new(
-            db::connect_probe(&args.database, http::PROBE_TIMEOUT)?,
+            store::connect_probe(&args.database, http::PROBE_TIMEOUT)?,
             read_path.redis().clone(),
         );
         let state = AppState::new(http::Shared {
@@ -332,9 +335,9 @@ fn connect_replicas(args: &ServeArgs) -> anyhow::Result<Option<Arc<Replicas>>> {
         .database_replica_urls
         .0
         .iter()
-        .map(|url| db::connect_replica(&args.database, url, http::PROBE_TIMEOUT))
+        .map(|url| store::connect_replica(&args.database, url, http::PROBE_TIMEOUT))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let primary = db::connect_probe(&args.database, http::PROBE_TIMEOUT)?;
+    let primary = store::connect_probe(&args.database, http::PROBE_TIMEOUT)?;
     Ok(Some(Arc::new(Replicas::new(
         replicas,
         primary,

@@ -25,7 +25,7 @@
 //! as the copy a failed load falls back on. A change marks it INVALIDATED
 //! in place for the same reason (`redis/scripts/apply.lua`), and a failed
 //! load re-serves it flagged BACKOFF until backoff_until
-//! (`redis/scripts/finish.lua`). The scripts are given the constants below,
+//! (`redis/scripts/finish/finish.lua`). The scripts are given the constants below,
 //! so the layout is written down once.
 //!
 //! Version 1 had no backoff_until and kept the fail-safe copy under a key of

@@ -34,8 +34,8 @@ use fred::prelude::*;
 
 use crate::{
     flight::{ReadPath, Since},
-    posts::PostStore,
     redis::{ChangeKind, RedisCommands, RedisError},
+    store::PostStore,
 };
 
 /// How often the decoder appends a beat while it keeps up.
@@ -343,7 +343,7 @@ impl Reader {
 
 impl Reader {
     /// Fences the keys this instance read from a replica behind a change to
-    /// every post, between the cutoff and now (see `posts/floor.rs`), with
+    /// every post, between the cutoff and now (see `store/replica_floor.rs`), with
     /// that change, and tells the fleet's memory tiers; if they are not
     /// known (or cannot be fenced), raises the cutoff again.
     async fn fence_suspects(&self, suspects: Option<Vec<i64>>, since: Since) {

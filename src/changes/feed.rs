@@ -36,10 +36,10 @@ use super::{
 };
 use crate::{
     config::DatabaseSettings,
-    db,
     flight::ReadPath,
-    posts::PostStore,
     redis::{ChangeKind, RedisError},
+    store,
+    store::PostStore,
     telemetry::metrics,
 };
 
@@ -151,7 +151,7 @@ impl Follower {
         // A pool of its own, dropped with the session: a listener dropped on
         // a connection that stopped answering keeps it (sqlx sends UNLISTEN
         // first), and must not keep the next session from connecting.
-        let pool = db::connect_feed(&self.database, 1)?;
+        let pool = store::connect_feed(&self.database, 1)?;
         let mut listener = bounded(limit, "listen", async {
             let mut listener = PgListener::connect_with(&pool).await?;
             listener.listen(CHANNEL).await?;

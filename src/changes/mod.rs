@@ -54,9 +54,9 @@ pub use status::{FeedState, FeedStatus, Mode, Report};
 
 use crate::{
     config::{ChangeFeed, DatabaseSettings},
-    db,
     flight::ReadPath,
-    posts::PostStore,
+    store,
+    store::PostStore,
     telemetry::metrics,
 };
 
@@ -131,7 +131,7 @@ impl Feed {
         // The memory tier serves once the feed is up.
         read_path.serve_from_memory(false);
         // Catch-ups, pruning, the slot's upkeep: one connection.
-        let pool = db::connect_feed(database, 1).context("invalid DATABASE_URL")?;
+        let pool = store::connect_feed(database, 1).context("invalid DATABASE_URL")?;
         let (sender, mut state) = watch::channel(None);
         let setup = Setup {
             database: database.clone(),

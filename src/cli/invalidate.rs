@@ -22,10 +22,9 @@ use crate::{
         outbox,
     },
     config::InvalidateArgs,
-    db,
     flight::apply,
     redis::ChangeKind,
-    startup,
+    startup, store,
 };
 
 /// What an invalidation did.
@@ -41,7 +40,7 @@ pub enum Invalidated {
 pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
     args.database.validate()?;
     args.cache.validate()?;
-    let pool = db::connect(&args.database).await?;
+    let pool = store::connect(&args.database).await?;
     let redis =
         crate::redis::connect_commands(&args.cache.redis_url, args.cache.redis_timeout).await?;
     let keys = Keys::new(args.cache.key_prefix.clone(), "post");
@@ -51,8 +50,8 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
         .await
         .context("failed to record the changes in post_changes (is the database migrated?)")?;
     // Where the primary's WAL is now: read replicas that have replayed it
-    // have every change made before (see `posts/floor.rs`); 0 if unknown.
-    let lsn = crate::posts::wal_position(&pool).await.unwrap_or(0);
+    // have every change made before (see `store/replica_floor.rs`); 0 if unknown.
+    let lsn = crate::store::wal_position(&pool).await.unwrap_or(0);
     pool.close().await;
     if args.all {
         let (change, _) = recorded[0];

@@ -11,8 +11,9 @@ use sqlx::PgPool;
 use crate::{
     changes::outbox,
     config::SeedArgs,
-    db,
-    posts::{Post, PostStore, Timestamp},
+    posts::{Post, Timestamp},
+    store,
+    store::PostStore,
 };
 
 /// Rows per INSERT statement: large enough to amortise the round trip,
@@ -91,11 +92,11 @@ pub fn generate(id: i64, seed: u64) -> Post {
 /// A progress bar is drawn on stderr when it is a terminal; otherwise only
 /// the closing log line is written.
 pub async fn run(args: &SeedArgs) -> anyhow::Result<u64> {
-    db::migrate(&args.database).await?;
+    store::migrate(&args.database).await?;
     let mut settings = args.database.clone();
     settings.db_statement_timeout = std::time::Duration::from_secs(600);
     settings.db_acquire_timeout = std::time::Duration::from_secs(60);
-    let pool = db::connect(&settings).await?;
+    let pool = store::connect(&settings).await?;
     let superuser: bool =
         sqlx::query_scalar("select rolsuper from pg_roles where rolname = current_user")
             .fetch_optional(&pool)

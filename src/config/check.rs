@@ -1,91 +1,16 @@
-//! Settings: what clap cannot express. The parsers of durations, β and
-//! jitter, the bounds of every setting, and each group's `validate`, so
-//! that a bad setting is refused at start with its name.
+//! Settings: what clap cannot express across settings. Each group's
+//! `validate`, so that a bad setting, or settings that contradict each
+//! other, are refused at start with their names.
 
 use std::time::Duration;
 
-use super::{CacheSettings, DatabaseSettings, OptionalAddr, ServeArgs, UrlList};
-
-/// Parses `250ms`, `5s`, `2m` (any humantime duration).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s.trim()).map_err(|e| format!("invalid duration {s:?}: {e}"))
-}
-
-/// An address, or nothing for an empty value (a setting that is off).
-pub(super) fn parse_optional_addr(s: &str) -> Result<OptionalAddr, String> {
-    let s = s.trim();
-    if s.is_empty() {
-        return Ok(OptionalAddr(None));
-    }
-    s.parse()
-        .map(|addr| OptionalAddr(Some(addr)))
-        .map_err(|e| format!("invalid address {s:?}: {e}"))
-}
-
-/// Comma-separated PostgreSQL URLs; empty for none.
-pub(super) fn parse_url_list(s: &str) -> Result<UrlList, String> {
-    let mut urls = Vec::new();
-    for url in s.split(',').map(str::trim) {
-        if url.is_empty() {
-            continue;
-        }
-        let parsed = url::Url::parse(url).map_err(|e| format!("invalid URL in the list: {e}"))?;
-        if !matches!(parsed.scheme(), "postgres" | "postgresql") {
-            return Err(format!(
-                "a replica URL must be postgres:// or postgresql://, got {}://",
-                parsed.scheme()
-            ));
-        }
-        urls.push(url.to_owned());
-    }
-    Ok(UrlList(urls))
-}
-
-/// `on` or `off`.
-pub(super) fn parse_on_off(s: &str) -> Result<bool, String> {
-    match s {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        _ => Err(format!("{s:?} is neither on nor off")),
-    }
-}
-
-pub(super) fn parse_beta(s: &str) -> Result<f64, String> {
-    let b: f64 = s
-        .trim()
-        .parse()
-        .map_err(|e| format!("invalid beta {s:?}: {e}"))?;
-    if b.is_finite() && b >= 0.0 {
-        Ok(b)
-    } else {
-        Err(format!("beta must be a finite number >= 0, got {b}"))
-    }
-}
-
-pub(super) fn parse_jitter(s: &str) -> Result<f64, String> {
-    let j: f64 = s
-        .trim()
-        .parse()
-        .map_err(|e| format!("invalid jitter {s:?}: {e}"))?;
-    if (0.0..1.0).contains(&j) {
-        Ok(j)
-    } else {
-        Err(format!("jitter must be in [0, 1), got {j}"))
-    }
-}
+use super::{
+    parse::{MAX_COUNT, MAX_DURATION, MAX_ENTRY_BYTES_LIMIT},
+    CacheSettings, DatabaseSettings, ServeArgs,
+};
 
 /// LOAD_TIMEOUT's margin over DB_STATEMENT_TIMEOUT when it is not set.
 const LOAD_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
-
-/// The longest any duration setting may be: far above any sensible TTL or
-/// timeout, and far enough below the limits of the arithmetic done with
-/// them (deadlines, jitter, fences, TTLs in milliseconds) that none overflows.
-pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
-/// The largest count settings (connections, requests in flight): far above
-/// what one process can hold, far below what overflows a semaphore or a sum.
-pub const MAX_COUNT: usize = 10_000_000;
-/// The largest MAX_ENTRY_BYTES: Redis refuses bulk strings over 512 MiB.
-pub const MAX_ENTRY_BYTES_LIMIT: usize = 512 << 20;
 
 /// LOAD_STATEMENTS unless set.
 const DEFAULT_LOAD_STATEMENTS: usize = 2;
@@ -213,17 +138,9 @@ impl ServeArgs {
             at_most_a_year(name, d)?;
         }
         if !self.database_replica_urls.0.is_empty() {
-            // A key changed longer ago than the fence lives is read from any
-            // replica in the rotation: one must have replayed everything
-            // that old (see posts/replicas.rs).
-            let bound = self.replica_max_lag + crate::posts::PROBE_FRESH;
-            let fence = self.fence_ttl();
-            anyhow::ensure!(
-                bound < fence,
-                "REPLICA_MAX_LAG ({}) + 3s must be below the change fence's lifetime, 2 × (LOCK_TTL + LOAD_TIMEOUT) = {}",
-                humantime::format_duration(self.replica_max_lag),
-                humantime::format_duration(fence)
-            );
+            // REPLICA_MAX_LAG against the change fence's lifetime: the
+            // store checks it (`store::check_replica_lag`), whose probe it
+            // depends on.
             anyhow::ensure!(
                 !matches!(self.change_feed, super::ChangeFeed::Trigger | super::ChangeFeed::Off),
                 "DATABASE_REPLICA_URLS needs CHANGE_FEED=replication (or auto): only its fences say which change a replica must have replayed"

@@ -8,15 +8,14 @@ use std::{net::SocketAddr, time::Duration};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod check;
+mod parse;
 
-use check::{parse_beta, parse_jitter, parse_on_off, parse_optional_addr, parse_url_list};
-pub use check::{parse_duration, MAX_COUNT, MAX_DURATION, MAX_ENTRY_BYTES_LIMIT};
+use parse::{parse_beta, parse_jitter, parse_on_off, parse_optional_addr, parse_url_list};
+pub use parse::{
+    parse_duration, OptionalAddr, UrlList, MAX_COUNT, MAX_DURATION, MAX_ENTRY_BYTES_LIMIT,
+};
 
 pub use crate::{flight::Strategy, telemetry::LogFormat};
-
-/// A listen address that may be empty (off).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OptionalAddr(pub Option<SocketAddr>);
 
 /// postcache: serves posts from Redis in front of PostgreSQL, one load per key for the whole fleet.
 #[derive(Debug, Parser)]
@@ -200,10 +199,6 @@ pub struct ServeArgs {
     #[arg(long, env = "REPLICA_MAX_LAG", default_value = "5s", value_parser = parse_duration)]
     pub replica_max_lag: Duration,
 }
-
-/// A comma-separated list of URLs (empty: none).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct UrlList(pub Vec<String>);
 
 /// Whether and how the service follows changes made in PostgreSQL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -53,7 +53,7 @@ impl<S: Source> ReadPath<S> {
     /// decoder: every instance's memory tier forgets the item when it reads
     /// the change from the fleet's stream); false when it was applied
     /// already. `change` is the commit LSN: the key is fenced whether or not
-    /// anything is cached (see `posts/replicas.rs`).
+    /// anything is cached (see `store/replicas/mod.rs`).
     pub async fn invalidate_in_redis(
         &self,
         key: &S::Key,

@@ -316,7 +316,7 @@ pub struct Readiness {
     /// DATABASE_REPLICA_URLS, each with its state and lag (empty when none
     /// is set); they do not decide readiness: loads fail over to the
     /// primary.
-    replicas: Vec<crate::posts::ReplicaReport>,
+    replicas: Vec<crate::store::ReplicaReport>,
 }
 
 /// `GET /readyz`: PostgreSQL and Redis both answer (`"redis": "circuit_open"`

@@ -141,7 +141,7 @@ pub const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
 /// [`PING_IDLE_AFTER`] or longer is pinged (one that died while idle, in a
 /// restart or behind a firewall's idle timeout, is replaced unseen); one
 /// in use moments ago is used as it is, and a statement whose connection
-/// turns out to be gone runs again on another (see `posts::PostStore`).
+/// turns out to be gone runs again on another (see `store::PostStore`).
 fn loads_pool(connections: u32, acquire: Duration) -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(connections)

@@ -3,9 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use sqlx::PgConnection;
-
-use super::TestEnv;
+use sqlx::{PgConnection, PgPool};
 
 /// Drops the replication slots of database `name` (a database with a slot
 /// cannot be dropped, and a slot left behind keeps WAL forever): their
@@ -46,8 +44,9 @@ pub struct TableLock {
 }
 
 impl TableLock {
-    pub async fn take(env: &TestEnv) -> Self {
-        let mut tx = env.admin.begin().await.unwrap();
+    /// `env` is the test's world ([`super::TestEnv`]) or its admin pool.
+    pub async fn take(env: &impl AsRef<PgPool>) -> Self {
+        let mut tx = env.as_ref().begin().await.unwrap();
         sqlx::query("lock table posts in access exclusive mode")
             .execute(&mut *tx)
             .await
@@ -75,13 +74,13 @@ impl TableLock {
 }
 
 /// Backends of the service currently blocked on a lock (a leader held back by [`TableLock`]).
-pub async fn blocked_loads(env: &TestEnv) -> i64 {
+pub async fn blocked_loads(env: &impl AsRef<PgPool>) -> i64 {
     sqlx::query_scalar(
         "select count(*) from pg_stat_activity
          where datname = current_database() and wait_event_type = 'Lock'
            and application_name = 'postcache'",
     )
-    .fetch_one(&env.admin)
+    .fetch_one(env.as_ref())
     .await
     .unwrap()
 }

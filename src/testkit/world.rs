@@ -19,8 +19,8 @@ use crate::{
     cli::seed::generate,
     config::{Cli, Command, DatabaseSettings, InspectArgs, InvalidateArgs, ServeArgs},
     flight::Hooks,
-    posts::PostStore,
     startup::Application,
+    store::PostStore,
 };
 
 /// A fresh, migrated, seeded database and a key prefix, dropped with it.
@@ -72,11 +72,11 @@ impl TestEnv {
             db_acquire_timeout: Duration::from_secs(10),
             db_statement_timeout: Duration::from_secs(30),
         };
-        crate::db::migrate(&settings)
+        crate::store::migrate(&settings)
             .await
             .expect("failed to create the test database");
         if posts > 0 {
-            let store = PostStore::new(crate::db::connect(&settings).await.unwrap());
+            let store = PostStore::new(crate::store::connect(&settings).await.unwrap());
             let all: Vec<_> = (1..=posts as i64).map(|id| generate(id, 1)).collect();
             for chunk in all.chunks(5_000) {
                 store.upsert_batch(chunk).await.expect("failed to seed");
@@ -485,6 +485,14 @@ impl TestEnv {
             total += count(node.pubsub_numsub(channel).await.unwrap());
         }
         total
+    }
+}
+
+/// The world's admin pool, for the helpers that only need a connection
+/// (`database.rs`).
+impl AsRef<PgPool> for TestEnv {
+    fn as_ref(&self) -> &PgPool {
+        &self.admin
     }
 }
 

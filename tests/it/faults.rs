@@ -367,7 +367,7 @@ async fn a_load_whose_connections_were_ended_moments_ago_reads_again_on_another(
     // Past it the pool pings the connection first, and this would not
     // test the second attempt.
     assert!(
-        used.elapsed() < postcache::db::PING_IDLE_AFTER,
+        used.elapsed() < postcache::store::PING_IDLE_AFTER,
         "the connection was idle for {:?}",
         used.elapsed()
     );

@@ -220,7 +220,7 @@ async fn a_post_read_from_a_lagging_replica_before_news_of_a_change_to_every_pos
     let app = r.spawn("5s").await;
     // A commit the standby has not replayed, and the WAL position after it.
     r.env.retitle(7, "changed-7").await;
-    let lsn = postcache::posts::wal_position(&r.env.admin).await.unwrap();
+    let lsn = postcache::store::wal_position(&r.env.admin).await.unwrap();
     let cutoff = postcache::cache::now_millis();
     r.until_fenced(7).await;
 

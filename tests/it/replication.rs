@@ -833,7 +833,7 @@ async fn on_a_server_without_logical_decoding_auto_is_the_trigger_mode() {
         db_acquire_timeout: Duration::from_secs(10),
         db_statement_timeout: Duration::from_secs(30),
     };
-    postcache::db::migrate(&settings).await.unwrap();
+    postcache::store::migrate(&settings).await.unwrap();
     sqlx::query("insert into posts (id, title, body, author) values (1, 'one', 'b', 'a')")
         .execute(&mut PgConnection::connect(&url).await.unwrap())
         .await

@@ -6,7 +6,8 @@ use std::{collections::HashMap, time::Duration};
 use anyhow::Context;
 use pgwire_replication::{ReplicationConfig, SslMode, TlsConfig};
 
-use super::PUBLICATION;
+/// The publication of `posts` (migration 0004).
+pub const PUBLICATION: &str = "postcache_posts";
 
 /// Events buffered between the replication connection and the decoder.
 const BUFFERED: usize = 256;

@@ -49,19 +49,17 @@ use pgwire_replication::ReplicationClient;
 use rand::Rng;
 use sqlx::PgPool;
 
-pub use connection::replication_config;
 use connection::{refusal, Refusal};
+pub use connection::{replication_config, PUBLICATION};
 
 use super::fanout::{self, Beats, Entry, BEAT_STALE};
 use crate::{
     config::DatabaseSettings,
     flight::{ReadPath, Since},
-    posts::PostStore,
+    store::PostStore,
     telemetry::metrics,
 };
 
-/// The publication of `posts` (migration 0004).
-pub const PUBLICATION: &str = "postcache_posts";
 /// A transaction that changes this many posts or more is one raise of the
 /// cutoff, not one application per post.
 pub const BULK: usize = 10_000;
@@ -249,7 +247,7 @@ impl Candidate {
         let why = GapWhy::parse(&why);
         // Every change the gap may hold committed before now: a read replica
         // that has replayed this far has them all (unread: the primary only).
-        let floor = crate::posts::wal_position(&self.pool)
+        let floor = crate::store::wal_position(&self.pool)
             .await
             .map_or(Since::PRIMARY, Since);
         let cutoff = self.all_posts(None, floor).await?;
@@ -286,7 +284,7 @@ impl Candidate {
                 return 0;
             }
         };
-        match crate::posts::wal_position(&self.pool).await {
+        match crate::store::wal_position(&self.pool).await {
             Ok(wal) if announced <= wal => announced,
             Ok(wal) => {
                 tracing::warn!(
@@ -367,7 +365,7 @@ impl Candidate {
         let redis = self.read_path.redis();
         // Before the cutoff: from now on this instance's loads from replicas
         // must have replayed it; what they read before is stale by the
-        // cutoff (no key to fence: see posts/floor.rs).
+        // cutoff (no key to fence: see store/replica_floor.rs).
         self.read_path.all_changed(floor, u64::MAX);
         let cutoff = match change.and_then(|lsn| i64::try_from(lsn).ok()) {
             Some(change) => self.read_path.invalidate_all(change).await?,

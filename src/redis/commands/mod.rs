@@ -297,7 +297,7 @@ impl RedisCommands {
     /// and takes it only if it held nothing. One command, no script; the
     /// lock, the claim's expiry and the value are then one key, and a
     /// change applied meanwhile deletes the claim, which its finish then
-    /// misses (see `scripts/finish.lua`): no fence to compare.
+    /// misses (see `scripts/finish/finish.lua`): no fence to compare.
     ///
     /// `with_fence` (loads that may read a lagging replica): a GET of the
     /// change fence goes in the same pipeline, for the load to include the
@@ -533,7 +533,7 @@ impl RedisCommands {
             .on_node(first, refusable, |c| {
                 let (keys, args) = (keys.clone(), args.clone());
                 async move {
-                    let script = call.script(&self.scripts);
+                    let script = self.scripts.get(call.script());
                     script.evalsha_with_reload(&c, keys, args).await
                 }
             })

@@ -1,6 +1,6 @@
 -- Changes applied to items' keys (see apply.rs): `apply_one(K, A)` for one
 -- item, K and A its KEYS and ARGV by name; apply.rs adds the loop that calls
--- it for each item sent. Placeholders as in finish.lua.
+-- it for each item sent. Placeholders as in finish/finish.lua.
 local function valid(s)
   return s and string.len(s) >= $HEADER and string.byte(s, $VERSION_AT) == $VERSION
 end

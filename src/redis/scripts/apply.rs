@@ -19,9 +19,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::{prelude::*, types::scripts::Script};
+use fred::prelude::*;
 
-use super::{layout, table, with_layout, Call, Scripts};
+use super::lua::{layout, ms, table, with_layout, Call, ScriptName};
 use crate::cache::{now_millis, Entry, ItemKeys};
 
 layout! {
@@ -137,8 +137,8 @@ impl Call for ApplyMany<'_> {
         "apply"
     }
 
-    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
-        &scripts.apply_many
+    fn script(&self) -> ScriptName {
+        ScriptName::ApplyMany
     }
 
     fn keys(&self) -> Vec<&str> {
@@ -160,10 +160,10 @@ impl Call for ApplyMany<'_> {
     fn args(&self) -> Vec<Value> {
         let l = self.lifetimes;
         let mut args = Shared {
-            fence_ms: Value::Integer(super::ms(l.fence).max(1)),
+            fence_ms: Value::Integer(ms(l.fence).max(1)),
             tombstone: Value::Bytes(self.tombstone.raw().clone()),
-            tombstone_copy_ms: Value::Integer(super::ms(l.tombstone_copy)),
-            grace_ms: Value::Integer(super::ms(l.grace)),
+            tombstone_copy_ms: Value::Integer(ms(l.tombstone_copy)),
+            grace_ms: Value::Integer(ms(l.grace)),
             now: Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
             always_fence: Value::Integer(i64::from(l.always_fence)),
         }

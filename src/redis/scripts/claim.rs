@@ -12,9 +12,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::{prelude::*, types::scripts::Script};
+use fred::prelude::*;
 
-use super::{for_each_item, layout, prologue, Call, Scripts};
+use super::lua::{for_each_item, layout, ms, prologue, Call, ScriptName};
 use crate::cache::ItemKeys;
 
 layout! {
@@ -76,8 +76,8 @@ impl Call for Claim<'_> {
         "claim"
     }
 
-    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
-        &scripts.claim
+    fn script(&self) -> ScriptName {
+        ScriptName::Claim
     }
 
     fn keys(&self) -> Vec<&str> {
@@ -93,7 +93,7 @@ impl Call for Claim<'_> {
     fn args(&self) -> Vec<Value> {
         Argv {
             token: Value::from(self.token),
-            ttl_ms: Value::Integer(super::ms(self.ttl).max(1)),
+            ttl_ms: Value::Integer(ms(self.ttl).max(1)),
         }
         .into_vec()
     }
@@ -155,8 +155,8 @@ impl Call for ClaimMany<'_> {
         "claim"
     }
 
-    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
-        &scripts.claim_many
+    fn script(&self) -> ScriptName {
+        ScriptName::ClaimMany
     }
 
     fn keys(&self) -> Vec<&str> {
@@ -180,7 +180,7 @@ impl Call for ClaimMany<'_> {
             .flat_map(|&(_, token, ttl)| {
                 Argv {
                     token: Value::from(token),
-                    ttl_ms: Value::Integer(super::ms(ttl).max(1)),
+                    ttl_ms: Value::Integer(ms(ttl).max(1)),
                 }
                 .into_vec()
             })

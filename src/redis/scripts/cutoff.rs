@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use fred::{prelude::*, types::scripts::Script};
+use fred::prelude::*;
 
-use super::{layout, prologue, Call, Scripts};
+use super::lua::{layout, ms, prologue, Call, ScriptName};
 
 layout! {
     /// The script's KEYS.
@@ -67,8 +67,8 @@ impl Call for RaiseCutoff<'_> {
         "raise_cutoff"
     }
 
-    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
-        &scripts.raise_cutoff
+    fn script(&self) -> ScriptName {
+        ScriptName::RaiseCutoff
     }
 
     fn keys(&self) -> Vec<&str> {
@@ -83,7 +83,7 @@ impl Call for RaiseCutoff<'_> {
         Argv {
             to: Value::Integer(self.to as i64),
             change: self.change.map_or(Value::from(""), Value::Integer),
-            remember_ms: Value::Integer(super::ms(self.remember).max(1)),
+            remember_ms: Value::Integer(ms(self.remember).max(1)),
         }
         .into_vec()
     }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use fred::{prelude::*, types::config::Server as RedisServer};
 use tokio::sync::broadcast;
 
-use super::Scripts;
+use super::registry::Scripts;
 use crate::redis::error::{is_outage, with_backoff, RedisError};
 
 /// What a client of the read path is connected to.

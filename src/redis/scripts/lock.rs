@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::{prelude::*, types::scripts::Script};
+use fred::prelude::*;
 
-use super::{layout, prologue, Call, Scripts};
+use super::lua::{layout, ms, prologue, Call, ScriptName};
 
 /// The message that tells waiters to elect a leader again (a fenced
 /// finish, an abandoned lock): too short to be an entry, so never taken
@@ -115,11 +115,11 @@ impl Call for OnLock<'_> {
         }
     }
 
-    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
+    fn script(&self) -> ScriptName {
         match self.op {
-            LockOp::Release => &scripts.release,
-            LockOp::Extend(_) => &scripts.extend,
-            LockOp::Abandon { .. } => &scripts.abandon,
+            LockOp::Release => ScriptName::Release,
+            LockOp::Extend(_) => ScriptName::Extend,
+            LockOp::Abandon { .. } => ScriptName::Abandon,
         }
     }
 
@@ -133,7 +133,7 @@ impl Call for OnLock<'_> {
             LockOp::Release => ReleaseArgv { token }.into_vec(),
             LockOp::Extend(ttl) => ExtendArgv {
                 token,
-                ttl_ms: Value::Integer(super::ms(ttl).max(1)),
+                ttl_ms: Value::Integer(ms(ttl).max(1)),
             }
             .into_vec(),
             LockOp::Abandon { channel, sharded } => AbandonArgv {

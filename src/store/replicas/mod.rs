@@ -25,7 +25,7 @@
 //!   TRUNCATE, a gap) raises the cutoff instead of fencing keys: every load
 //!   then must include its LSN for the fence's lifetime, and the keys read
 //!   from a replica behind it in the milliseconds before this instance
-//!   learnt of it are fenced after the fact (see floor.rs).
+//!   learnt of it are fenced after the fact (see `replica_floor.rs`).
 //! - Replicas are read only while the change feed is up in replication
 //!   mode: other modes' fences are no LSNs, and with the feed down no fence
 //!   is set.
@@ -59,13 +59,8 @@ use std::{
 
 use sqlx::PgPool;
 
-use super::{
-    floor::{Floor, Suspects},
-    Post,
-};
-use crate::{cache::now_millis, flight::Since, telemetry::metrics};
-use probe::Seen;
-pub use probe::{wal_position, ReplicaReport};
+use super::replica_floor::{Floor, Suspects};
+use crate::{cache::now_millis, flight::Since, posts::Post, telemetry::metrics};
 
 /// How often the probe runs.
 pub const PROBE_EVERY: Duration = Duration::from_secs(1);
@@ -74,6 +69,45 @@ pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 pub const PROBE_FRESH: Duration = Duration::from_secs(3);
 /// Loads failing in a row on a replica that open its breaker.
 pub const REPLICA_FAILURES: u32 = 3;
+
+/// Refuses a REPLICA_MAX_LAG the change fences cannot cover. A key
+/// changed longer ago than its fence lives (`fence`) is read from any
+/// replica in the rotation, so every replica in it must have replayed
+/// everything that old: at most REPLICA_MAX_LAG + [`PROBE_FRESH`] behind.
+pub fn check_replica_lag(max_lag: Duration, fence: Duration) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        max_lag + PROBE_FRESH < fence,
+        "REPLICA_MAX_LAG ({}) + {} must be below the change fence's lifetime, 2 × (LOCK_TTL + LOAD_TIMEOUT) = {}",
+        humantime::format_duration(max_lag),
+        humantime::format_duration(PROBE_FRESH),
+        humantime::format_duration(fence)
+    );
+    Ok(())
+}
+
+/// What a probe saw of a replica.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Seen {
+    pub reachable: bool,
+    pub lag_seconds: Option<f64>,
+    pub lag_bytes: Option<u64>,
+}
+
+/// A replica as `/readyz` reports it.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct ReplicaReport {
+    /// host:port/database.
+    pub name: String,
+    /// `up` (in the rotation), `lagging` (past REPLICA_MAX_LAG, or its lag
+    /// unmeasured), `down` (unreachable, or not probed lately),
+    /// `circuit_open` (its loads failed).
+    #[schema(value_type = String, pattern = "^(up|lagging|down|circuit_open)$")]
+    pub state: &'static str,
+    /// Seconds of the primary's commits it has not replayed.
+    pub lag_seconds: Option<f64>,
+    /// Bytes of WAL between the primary's position and its replay.
+    pub lag_bytes: Option<u64>,
+}
 
 /// One replica: its pools and what its probe and loads saw.
 pub struct Replica {
@@ -116,7 +150,7 @@ pub struct Replicas {
     /// The primary's WAL insert positions, oldest first.
     history: Mutex<VecDeque<(Instant, u64)>>,
     /// What every load must include after a change to every post, and the
-    /// keys served lately (see floor.rs).
+    /// keys served lately (see `replica_floor.rs`).
     floor: Mutex<Floor>,
 }
 
@@ -137,8 +171,8 @@ struct Row {
     post_title: Option<String>,
     post_body: Option<String>,
     post_author: Option<String>,
-    post_created_at: Option<super::Timestamp>,
-    post_updated_at: Option<super::Timestamp>,
+    post_created_at: Option<crate::posts::Timestamp>,
+    post_updated_at: Option<crate::posts::Timestamp>,
 }
 
 impl Replicas {
@@ -252,7 +286,7 @@ impl Replicas {
                     replica.failures.store(0, Ordering::Relaxed);
                     replica.replayed.fetch_max(replayed, Ordering::Relaxed);
                     // Per key: served here only if its change was replayed,
-                    // by the floor as it is now (see floor.rs).
+                    // by the floor as it is now (see `replica_floor.rs`).
                     let before = left.len();
                     let mut floor = self.lock_floor();
                     let now = now_millis();
@@ -362,4 +396,22 @@ enum ReadFailed {
     /// Every connection of the replica's taken: not its failure.
     Busy,
     Error(anyhow::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_max_lag_the_change_fences_cannot_cover_is_refused() {
+        let fence = Duration::from_secs(15);
+        assert!(check_replica_lag(Duration::from_secs(5), fence).is_ok());
+        let error = check_replica_lag(Duration::from_secs(12), fence).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .starts_with("REPLICA_MAX_LAG (12s) + 3s must be below"),
+            "{error}"
+        );
+    }
 }

@@ -8,37 +8,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{Replica, Replicas, PROBE_EVERY, PROBE_FRESH, REPLICA_FAILURES};
+use super::{
+    super::wal::wal_position, Replica, ReplicaReport, Replicas, Seen, PROBE_EVERY, PROBE_FRESH,
+    REPLICA_FAILURES,
+};
 use crate::telemetry::metrics;
 
 /// Longest each probe query may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The primary's positions kept to measure lag in seconds.
 const HISTORY: Duration = Duration::from_secs(120);
-
-/// What a probe saw of a replica.
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct Seen {
-    pub reachable: bool,
-    pub lag_seconds: Option<f64>,
-    pub lag_bytes: Option<u64>,
-}
-
-/// A replica as `/readyz` reports it.
-#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
-pub struct ReplicaReport {
-    /// host:port/database.
-    pub name: String,
-    /// `up` (in the rotation), `lagging` (past REPLICA_MAX_LAG, or its lag
-    /// unmeasured), `down` (unreachable, or not probed lately),
-    /// `circuit_open` (its loads failed).
-    #[schema(value_type = String, pattern = "^(up|lagging|down|circuit_open)$")]
-    pub state: &'static str,
-    /// Seconds of the primary's commits it has not replayed.
-    pub lag_seconds: Option<f64>,
-    /// Bytes of WAL between the primary's position and its replay.
-    pub lag_bytes: Option<u64>,
-}
 
 impl Replicas {
     /// Probes every [`PROBE_EVERY`], for ever (the caller aborts it).
@@ -177,14 +156,4 @@ impl Replicas {
         let at = replica.probed_at.load(Ordering::Relaxed);
         at > 0 && self.millis().saturating_sub(at) <= PROBE_FRESH.as_millis() as u64
     }
-}
-
-/// The primary's WAL insert position (a byte offset): a replica that has
-/// replayed to it has every transaction committed before.
-pub async fn wal_position(pool: &sqlx::PgPool) -> sqlx::Result<u64> {
-    let lsn: i64 =
-        sqlx::query_scalar("select (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
-            .fetch_one(pool)
-            .await?;
-    Ok(u64::try_from(lsn).unwrap_or(0))
 }

@@ -17,11 +17,6 @@ mod requests;
 use names::describe;
 pub use names::*;
 
-/// Buckets for request, load and wait durations: 0.5 ms to 10 s.
-const SECONDS_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
-
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Installs the process-wide recorder (once) and returns the handle that renders it.
@@ -41,22 +36,6 @@ pub fn install() -> PrometheusHandle {
         })
         .clone()
 }
-
-/// Every (outcome, tier) a request can end with (see `http/served.rs`).
-pub(crate) const REQUEST_LABELS: &[(&str, &str)] = &[
-    ("hit", "memory"),
-    ("negative_hit", "memory"),
-    ("hit", "redis"),
-    ("negative_hit", "redis"),
-    ("stale", "redis"),
-    ("miss", "none"),
-    ("coalesced_local", "none"),
-    ("coalesced_remote", "none"),
-    ("bypass", "none"),
-    ("too_large", "none"),
-    ("negative_hit", "guard"),
-    ("error", "none"),
-];
 
 /// One answered `GET /posts/{id}`: counted by this thread alone (see
 /// `requests.rs`), so that a hit writes nothing another core reads or writes.

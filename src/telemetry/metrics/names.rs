@@ -1,5 +1,5 @@
-//! Telemetry: every metric's name, with what it counts, and its
-//! description in the exposition.
+//! Telemetry: every metric's name, with what it counts, its labels and
+//! buckets, and its description in the exposition.
 
 /// Requests of `GET /posts/{id}` by outcome: hit, negative_hit, miss,
 /// coalesced_local, coalesced_remote, stale, bypass, error.
@@ -318,3 +318,24 @@ pub(super) fn describe() {
         "Requests answered 503 at once for want of capacity, by reason."
     );
 }
+
+/// Buckets for request, load and wait durations: 0.5 ms to 10 s.
+pub(crate) const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Every (outcome, tier) a request can end with (see `http/served.rs`).
+pub(crate) const REQUEST_LABELS: &[(&str, &str)] = &[
+    ("hit", "memory"),
+    ("negative_hit", "memory"),
+    ("hit", "redis"),
+    ("negative_hit", "redis"),
+    ("stale", "redis"),
+    ("miss", "none"),
+    ("coalesced_local", "none"),
+    ("coalesced_remote", "none"),
+    ("bypass", "none"),
+    ("too_large", "none"),
+    ("negative_hit", "guard"),
+    ("error", "none"),
+];

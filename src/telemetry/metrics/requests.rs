@@ -20,7 +20,7 @@ use std::{
     time::Duration,
 };
 
-use super::{REQUESTS, REQUEST_DURATION, REQUEST_LABELS, SECONDS_BUCKETS};
+use super::names::{REQUESTS, REQUEST_DURATION, REQUEST_LABELS, SECONDS_BUCKETS};
 
 const SERIES: usize = REQUEST_LABELS.len();
 /// The buckets' upper bounds, and +Inf.

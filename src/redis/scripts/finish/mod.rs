@@ -34,9 +34,12 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::{prelude::*, types::scripts::Script};
+use fred::prelude::*;
 
-use super::{for_each_item, layout, prologue, with_layout, Call, Scripts, RETRY};
+use super::{
+    lock::RETRY,
+    lua::{for_each_item, layout, ms, prologue, with_layout, Call, ScriptName},
+};
 use crate::cache::{now_millis, Entry, ItemKeys};
 
 layout! {
@@ -139,8 +142,8 @@ impl Call for Finish<'_> {
         "finish"
     }
 
-    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
-        &scripts.finish
+    fn script(&self) -> ScriptName {
+        ScriptName::Finish
     }
 
     fn keys(&self) -> Vec<&str> {
@@ -156,11 +159,11 @@ impl Call for Finish<'_> {
     fn args(&self) -> Vec<Value> {
         Argv {
             entry: Value::Bytes(self.entry.raw().clone()),
-            value_ms: Value::Integer(super::ms(self.store.value)),
+            value_ms: Value::Integer(ms(self.store.value)),
             token: Value::from(self.token),
             channel: Value::from(self.keys.channel.as_str()),
-            tombstone_ms: Value::Integer(super::ms(self.store.tombstone)),
-            failure_ms: Value::Integer(super::ms(self.store.failure)),
+            tombstone_ms: Value::Integer(ms(self.store.tombstone)),
+            failure_ms: Value::Integer(ms(self.store.failure)),
             publish: Value::from(if self.sharded { "SPUBLISH" } else { "PUBLISH" }),
             now: Value::Integer(now_millis() as i64),
             fence: Value::from(self.fence),
@@ -206,8 +209,8 @@ impl Call for FinishMany<'_> {
         "finish"
     }
 
-    fn script<'s>(&self, scripts: &'s Scripts) -> &'s Script {
-        &scripts.finish_many
+    fn script(&self) -> ScriptName {
+        ScriptName::FinishMany
     }
 
     fn keys(&self) -> Vec<&str> {

@@ -1,0 +1,20 @@
+//! The store: where posts live. The PostgreSQL pools, database creation
+//! and the embedded migrations (`pools.rs`); [`PostStore`], the read path's
+//! source of posts (`posts.rs`); the read replicas loads may read
+//! (`replicas/`) and their probe (`replicas/probe.rs`), the floor their loads must
+//! include after a change to every post (`replica_floor.rs`), and the
+//! primary's WAL position (`wal.rs`).
+
+mod pools;
+mod posts;
+mod replica_floor;
+mod replicas;
+mod wal;
+
+pub use pools::{
+    connect, connect_feed, connect_probe, connect_replica, ensure_database, migrate, MIGRATOR,
+    PING_IDLE_AFTER,
+};
+pub use posts::PostStore;
+pub use replicas::{check_replica_lag, ReplicaReport, Replicas, PROBE_FRESH};
+pub use wal::wal_position;

@@ -1,0 +1,285 @@
+//! The store: posts read and written in PostgreSQL, on the primary and,
+//! for loads, on the read replicas (`replicas/`); the read path's
+//! [`Source`](crate::flight::Source) of posts.
+
+use std::sync::Arc;
+
+use sqlx::PgPool;
+
+use super::{replica_floor::Suspects, replicas::Replicas};
+use crate::{
+    flight::{Progress, Since},
+    posts::Post,
+};
+
+/// Reads and writes posts in PostgreSQL: the primary, and for loads the
+/// read replicas when there are (see `replicas/`).
+#[derive(Clone)]
+pub struct PostStore {
+    pool: PgPool,
+    replicas: Option<Arc<Replicas>>,
+    /// When a read on the primary last succeeded: tells a busy pool from a
+    /// database that stopped answering (see [`PostStore::load_error`]).
+    answered: Arc<Progress>,
+}
+
+impl std::fmt::Debug for PostStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostStore")
+            .field("pool", &self.pool)
+            .field("replicas", &self.replicas.is_some())
+            .finish()
+    }
+}
+
+impl PostStore {
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            pool,
+            replicas: None,
+            answered: Arc::default(),
+        }
+    }
+
+    /// Loads also read from `replicas`.
+    pub fn with_replicas(pool: PgPool, replicas: Arc<Replicas>) -> Self {
+        Self {
+            pool,
+            replicas: Some(replicas),
+            answered: Arc::default(),
+        }
+    }
+
+    pub fn replicas(&self) -> Option<&Arc<Replicas>> {
+        self.replicas.as_ref()
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The most connections the pool may open.
+    fn connections(&self) -> u32 {
+        self.pool.options().get_max_connections()
+    }
+
+    /// Whether every connection the pool may open is open and in use.
+    fn exhausted(&self) -> bool {
+        self.pool.size() >= self.connections() && self.pool.num_idle() == 0
+    }
+
+    /// The post with this id, if any. One indexed query.
+    pub async fn find(&self, id: i64) -> Result<Option<Post>, sqlx::Error> {
+        again_if_lost(
+            self.connections(),
+            self.pool.options().get_acquire_timeout(),
+            || {
+                sqlx::query_as::<_, Post>(
+                "select id, title, body, author, created_at, updated_at from posts where id = $1",
+            )
+            .bind(id)
+            .fetch_optional(&self.pool)
+            },
+        )
+        .await
+        .inspect(|_| self.answered.succeeded())
+    }
+
+    /// The posts with these ids that exist, in one statement.
+    pub async fn find_many(&self, ids: &[i64]) -> Result<Vec<Post>, sqlx::Error> {
+        again_if_lost(self.connections(), self.pool.options().get_acquire_timeout(), || {
+            sqlx::query_as::<_, Post>(
+                "select id, title, body, author, created_at, updated_at from posts where id = any($1)",
+            )
+            .bind(ids)
+            .fetch_all(&self.pool)
+        })
+        .await
+        .inspect(|_| self.answered.succeeded())
+    }
+
+    /// A failed read as a load error: [`crate::flight::Busy`] when every
+    /// connection was open and taken for DB_ACQUIRE_TIMEOUT while reads
+    /// kept succeeding (this instance is busy, the post did not fail). A
+    /// pool that timed out with room left could not connect, and one whose
+    /// connections were all taken by reads none of which succeeded in that
+    /// time holds statements (or connects) that hang: PostgreSQL is down or
+    /// unreachable, a failure like any other.
+    fn load_error(&self, error: sqlx::Error) -> crate::flight::LoadError {
+        let waited = self.pool.options().get_acquire_timeout();
+        match error {
+            sqlx::Error::PoolTimedOut
+                if self.exhausted() && self.answered.succeeded_within(waited) =>
+            {
+                crate::flight::Busy.into()
+            }
+            error => error.into(),
+        }
+    }
+
+    /// Inserts or replaces a batch of posts in one statement.
+    pub async fn upsert_batch(&self, posts: &[Post]) -> Result<u64, sqlx::Error> {
+        Self::upsert_batch_with(&self.pool, posts).await
+    }
+
+    /// [`PostStore::upsert_batch`] on `executor` (a transaction of the caller's).
+    pub async fn upsert_batch_with<'e>(
+        executor: impl sqlx::PgExecutor<'e>,
+        posts: &[Post],
+    ) -> Result<u64, sqlx::Error> {
+        let mut ids = Vec::with_capacity(posts.len());
+        let mut titles = Vec::with_capacity(posts.len());
+        let mut bodies = Vec::with_capacity(posts.len());
+        let mut authors = Vec::with_capacity(posts.len());
+        let mut created = Vec::with_capacity(posts.len());
+        let mut updated = Vec::with_capacity(posts.len());
+        for p in posts {
+            ids.push(p.id);
+            titles.push(p.title.as_str());
+            bodies.push(p.body.as_str());
+            authors.push(p.author.as_str());
+            created.push(p.created_at);
+            updated.push(p.updated_at);
+        }
+        let done = sqlx::query(
+            "insert into posts (id, title, body, author, created_at, updated_at)
+             select * from unnest($1::bigint[], $2::text[], $3::text[], $4::text[],
+                                  $5::timestamptz[], $6::timestamptz[])
+             on conflict (id) do update set
+                 title = excluded.title, body = excluded.body, author = excluded.author,
+                 created_at = excluded.created_at, updated_at = excluded.updated_at",
+        )
+        .bind(&ids)
+        .bind(&titles)
+        .bind(&bodies)
+        .bind(&authors)
+        .bind(&created)
+        .bind(&updated)
+        .execute(executor)
+        .await?;
+        Ok(done.rows_affected())
+    }
+}
+
+/// Runs a read, and again while its connection turns out to be gone, at
+/// most `connections` times more (each failed connection is closed, not
+/// returned, so the pool runs out of dead ones) and not once `within` has
+/// passed since the first try (the pool's acquire timeout, so a database
+/// that fails fast this way still costs a load a bounded time): the
+/// loads' pool pings only
+/// connections idle for a while (see `store::PING_IDLE_AFTER`), so one whose
+/// server process was ended moments ago (a restart, `pg_terminate_backend`)
+/// fails its statement instead. A read is safe to run twice.
+async fn again_if_lost<T, F, Fut>(
+    connections: u32,
+    within: std::time::Duration,
+    mut read: F,
+) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let started = std::time::Instant::now();
+    let mut left = connections;
+    loop {
+        match read().await {
+            Err(error) if left > 0 && started.elapsed() < within && connection_lost(&error) => {
+                tracing::debug!(%error, "a load's connection was gone; reading again on another");
+                left -= 1;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// Whether a statement failed for want of its connection, not for anything
+/// in the statement: the socket failed, or the server ended the session
+/// (SQLSTATE class 08, or 57P01/57P02: shut down or crashed).
+fn connection_lost(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(e) => e
+            .code()
+            .is_some_and(|code| code.starts_with("08") || code == "57P01" || code == "57P02"),
+        _ => false,
+    }
+}
+
+/// The read path loads a post as its JSON body, `None` when absent.
+impl crate::flight::Source for PostStore {
+    type Key = i64;
+
+    fn reads_copies(&self) -> bool {
+        self.replicas.is_some()
+    }
+
+    async fn load(
+        &self,
+        id: &i64,
+        since: Since,
+    ) -> Result<Option<bytes::Bytes>, crate::flight::LoadError> {
+        if let Some(replicas) = &self.replicas {
+            let routed = replicas.read(&[(*id, since)]).await;
+            if routed.primary.is_empty() {
+                return match routed.found.first() {
+                    Some(post) => Ok(Some(serde_json::to_vec(post)?.into())),
+                    None => Ok(None),
+                };
+            }
+        }
+        match self.find(*id).await {
+            Ok(Some(post)) => Ok(Some(serde_json::to_vec(&post)?.into())),
+            Ok(None) => Ok(None),
+            Err(error) => Err(self.load_error(error)),
+        }
+    }
+
+    fn all_changed(&self, since: Since, cutoff: u64) -> Option<Vec<i64>> {
+        match self.replicas.as_ref().map(|r| r.all_changed(since, cutoff)) {
+            None => Some(Vec::new()),
+            Some(Suspects::Keys(keys)) => Some(keys),
+            Some(Suspects::Unknown) => None,
+        }
+    }
+
+    fn ordinal(id: &i64) -> Option<u64> {
+        u64::try_from(*id).ok()
+    }
+
+    /// Every id, streamed (one pass over the primary key's index).
+    async fn ordinals(&self) -> Result<Option<roaring::RoaringTreemap>, crate::flight::LoadError> {
+        use futures::TryStreamExt;
+        let mut ids = sqlx::query_scalar::<_, i64>("select id from posts").fetch(&self.pool);
+        let mut set = roaring::RoaringTreemap::new();
+        while let Some(id) = ids.try_next().await? {
+            if let Ok(id) = u64::try_from(id) {
+                set.insert(id);
+            }
+        }
+        Ok(Some(set))
+    }
+
+    async fn load_many(
+        &self,
+        keys: &[(i64, Since)],
+    ) -> Result<Vec<(i64, bytes::Bytes)>, crate::flight::LoadError> {
+        let (mut posts, primary) = match &self.replicas {
+            Some(replicas) => {
+                let routed = replicas.read(keys).await;
+                (routed.found, routed.primary)
+            }
+            None => (Vec::new(), keys.iter().map(|(id, _)| *id).collect()),
+        };
+        if !primary.is_empty() {
+            posts.extend(
+                self.find_many(&primary)
+                    .await
+                    .map_err(|error| self.load_error(error))?,
+            );
+        }
+        posts
+            .into_iter()
+            .map(|post| Ok((post.id, serde_json::to_vec(&post)?.into())))
+            .collect()
+    }
+}
