@@ -26,7 +26,7 @@ use std::{
 use fred::{clients::SubscriberClient, prelude::*};
 use futures::future::join_all;
 use postcache::{
-    flight::{Hooks, WaitEnd},
+    read_path::{Hooks, WaitEnd},
     testkit::{fire, quantile, TableLock, TestApp, TestEnv, PATIENT},
 };
 

@@ -12,7 +12,7 @@
 //! - [`startup`] — builds the service, binds, runs until a shutdown future.
 //! - [`http`] — the endpoint (memory hits at once, reads past the router,
 //!   the bounds), the state every handler reaches, routes, handlers
-//!   (`many.rs`: `GET /posts?ids=`), the one HTTP error type, how an answer
+//!   (`http/many.rs`: `GET /posts?ids=`), the one HTTP error type, how an answer
 //!   was served as headers (`served.rs`: X-Cache, X-Cache-Tier,
 //!   Cache-Status), the OpenAPI document generated with the routes, and
 //!   the server of connections (header and idle deadlines, the connection
@@ -26,15 +26,18 @@
 //!   last change (`replicas/`, its probe `replicas/probe.rs`, and after a
 //!   change to every post `replica_floor.rs`), the primary's WAL position.
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
-//! - [`flight`] — the protocol, generic over what it loads:
-//!   look up → judge (`freshness.rs`) → in-process flight (`local.rs`) →
-//!   elect → lead (`leader.rs`) or listen → sleep → re-check, as one state
-//!   machine with pure transitions (`machine.rs`, driven by `waiter.rs`);
-//!   loads batched into shared statements (`batch.rs`), busy told from a
-//!   database that stopped answering (`progress.rs`); many keys read
-//!   at once (`many.rs`); the memory tier, background refreshes, changes
-//!   applied, the load lab's strategies; what it loads from is a
-//!   [`flight::Source`] (`source.rs`).
+//! - [`read_path`] — the protocol, generic over what it loads, behind one
+//!   front door ([`read_path::ReadPath`], the only type of its `mod.rs`):
+//!   look up (`first_look.rs`, `warm.rs`) → judge (`freshness.rs`) →
+//!   in-process flight (`local.rs`) → elect → lead (`leader.rs`) or
+//!   listen → sleep → re-check, as one state machine with pure
+//!   transitions (`machine.rs`, driven by `waiter.rs`); each role handed
+//!   the context it needs (`context.rs`), never the read path; loads
+//!   batched into shared statements (`batch/`), busy told from a database
+//!   that stopped answering (`progress.rs`); the memory tier, background
+//!   refreshes, changes applied, and the load lab's baselines, a reader of
+//!   their own chosen at startup (`lab.rs`); what it loads from is a
+//!   [`read_path::Source`] (`source.rs`).
 //! - [`redis`] — the Redis side: commands bounded by REDIS_TIMEOUT, a
 //!   client and a circuit breaker per node, the Lua scripts each with a
 //!   typed call and reply (`scripts/`), the shared subscriber, and the
@@ -52,9 +55,9 @@
 //! `load/code-shape.allowed` still lists (the read path's roles, the Redis
 //! side's batching; `load/code-shape --check` runs in CI and fails on any
 //! other): `config` names the types it parses into from the modules that
-//! own them (the post id from `posts`, the strategy from `flight`, the log
+//! own them (the post id from `posts`, the strategy from `read_path`, the log
 //! format from `telemetry`), and `startup` turns settings into the read
-//! path's; `flight` uses `redis`, never the other way round; `flight`,
+//! path's; `read_path` uses `redis`, never the other way round; `read_path`,
 //! `redis`, `cache`, `telemetry`, `posts` and `store` never read `config`,
 //! but for the database settings the pools are made from.
 
@@ -62,9 +65,9 @@ pub mod cache;
 pub mod changes;
 pub mod cli;
 pub mod config;
-pub mod flight;
 pub mod http;
 pub mod posts;
+pub mod read_path;
 pub mod redis;
 pub mod startup;
 pub mod store;

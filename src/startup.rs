@@ -12,8 +12,8 @@ use crate::{
     cache::{Jitter, Keys},
     changes::Feed,
     config::{CacheSettings, DatabaseSettings, ServeArgs},
-    flight::{self, ReadPath},
     http::{self, AppState, ConnectionLimits, Limits},
+    read_path::{self, ReadPath},
     redis::{Nodes, RedisCommands, Subscriber},
     store,
     store::{PostStore, Replicas},
@@ -60,10 +60,11 @@ pub struct Application {
 
 /// The read path's settings from the cache settings, with LOAD_TIMEOUT and
 /// LOAD_STATEMENTS as resolved (they depend on the database's settings).
-pub fn read_path_settings(c: &CacheSettings, database: &DatabaseSettings) -> flight::Settings {
-    flight::Settings {
+pub fn read_path_settings(c: &CacheSettings, database: &DatabaseSettings) -> read_path::Settings {
+    read_path::Settings {
         strategy: c.cache_strategy,
-        wake: flight::Wake::of(c.cache_strategy, c.poll_interval),
+        wake: c.cache_strategy.wake(c.poll_interval),
+        batch_loads: c.cache_strategy.batches_loads(),
         cache_ttl: c.cache_ttl,
         negative_ttl: c.negative_ttl,
         jitter: Jitter::new(c.ttl_jitter),
@@ -79,10 +80,16 @@ pub fn read_path_settings(c: &CacheSettings, database: &DatabaseSettings) -> fli
         max_stale: c.max_stale,
         failure_ttl: c.failure_ttl,
         max_entry_bytes: c.max_entry_bytes,
-        memory_bytes: c.l1_max_bytes,
+        // The baselines that measure Redis alone (`none`, `naive`) read
+        // without the memory tier.
+        memory_bytes: if c.cache_strategy.uses_memory() {
+            c.l1_max_bytes
+        } else {
+            0
+        },
         memory_ttl: c.l1_ttl,
         #[cfg(feature = "testkit")]
-        hooks: flight::Hooks::default(),
+        hooks: read_path::Hooks::default(),
     }
 }
 
@@ -94,15 +101,18 @@ impl Application {
 
     /// As [`Application::build`], with test observation points in the read path.
     #[cfg(feature = "testkit")]
-    pub async fn build_with_hooks(args: ServeArgs, hooks: flight::Hooks) -> anyhow::Result<Self> {
-        let settings = flight::Settings {
+    pub async fn build_with_hooks(
+        args: ServeArgs,
+        hooks: read_path::Hooks,
+    ) -> anyhow::Result<Self> {
+        let settings = read_path::Settings {
             hooks,
             ..read_path_settings(&args.cache, &args.database)
         };
         Self::build_with(args, settings).await
     }
 
-    async fn build_with(args: ServeArgs, settings: flight::Settings) -> anyhow::Result<Self> {
+    async fn build_with(args: ServeArgs, settings: read_path::Settings) -> anyhow::Result<Self> {
         install_tls_provider();
         args.validate()?;
         if !args.database_replica_urls.0.is_empty() {
@@ -380,16 +390,16 @@ async fn keep_replicas(replicas: Arc<Replicas>, feed: crate::changes::FeedStatus
 /// How often the replicas learn whether the change feed is up.
 const FEED_CHECK: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// Builds the existence guard (`flight/guard.rs`) whenever it stands aside
+/// Builds the existence guard (`read_path/existence.rs`) whenever it stands aside
 /// while the change feed is up: at start, and after a change to every post
 /// or an outage of the feed. Never with CHANGE_FEED=off (it stands aside).
 async fn keep_guard(read_path: Arc<ReadPath<PostStore>>, feed: crate::changes::FeedStatus) {
     loop {
-        if read_path.guard().wants_build() && feed.get() == crate::changes::FeedState::Up {
+        if read_path.existence().wants_build() && feed.get() == crate::changes::FeedState::Up {
             let started = std::time::Instant::now();
-            match read_path.build_guard().await {
+            match read_path.build_existence_set().await {
                 Ok(true) => {
-                    let (ids, bytes) = read_path.guard().usage().unwrap_or_default();
+                    let (ids, bytes) = read_path.existence().usage().unwrap_or_default();
                     crate::telemetry::metrics::guard(ids, bytes, started.elapsed());
                     tracing::info!(
                         ids,

@@ -378,7 +378,7 @@ pub fn run_instance() -> anyhow::Result<()> {
     use clap::Parser;
     use postcache::{
         config::{Cli, Command},
-        flight::Hooks,
+        read_path::Hooks,
         startup::{shutdown_signal, Application},
     };
     let cli = Cli::parse_from(["postcache", "serve"]);

@@ -97,7 +97,7 @@ impl Keys {
 
     /// `P` + `{post-changes}:stream`: the Redis Stream on which the
     /// decoder of CHANGE_FEED=replication tells every instance what changed
-    /// (see `changes/fanout.rs`).
+    /// (see `changes/replication/fanout.rs`).
     pub fn change_stream(&self) -> String {
         format!("{}{{{}-changes}}:stream", self.prefix, self.kind)
     }

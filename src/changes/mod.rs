@@ -5,18 +5,18 @@
 //! ```text
 //! replication: writer ─► posts ─WAL─► the slot ─► one decoder per fleet (replication/)
 //!                 ─► apply to Redis ─► XADD the fleet's stream ─► every instance forgets
-//!                    (fanout.rs)         its memory tier's copy
+//!                    (replication/fanout.rs) its memory tier's copy
 //! trigger:     writer ─► posts ─trigger─► post_changes (outbox) ─NOTIFY─► every instance:
 //!                 catch up from the outbox (by snapshot) ─► apply each change to Redis
 //! ```
 //!
-//! - `replication` ([`replication`], [`fanout`]): writers are untouched (no
+//! - `replication` ([`replication`], its fan-out `replication/fanout.rs`): writers are untouched (no
 //!   trigger, no NOTIFY, no privilege on anything of ours); PostgreSQL
 //!   streams the slot to one instance, which applies each committed
 //!   transaction to Redis (its commit LSN is the change's fence) and then
 //!   confirms it, so the database does the same work for one instance or a
 //!   hundred. Needs `wal_level = logical`.
-//! - `trigger` ([`feed`], [`outbox`]): statement triggers on `posts` append
+//! - `trigger` ([`trigger`], its outbox `trigger/outbox.rs`): statement triggers on `posts` append
 //!   every change to the outbox in the writer's own transaction, which
 //!   notifies `postcache_changes`; each instance LISTENs and catches up from
 //!   the outbox past the snapshot of its last catch-up, so nothing is missed
@@ -24,19 +24,16 @@
 //!   CHANGE_RETENTION. Writers pay for it (an insert per statement, and
 //!   NOTIFY serialises commits): the mode for a server without logical
 //!   decoding.
-//! - Apply: idempotent (`flight/apply.rs`: fence, delete / mark stale /
+//! - Apply: idempotent (`read_path/apply.rs`: fence, delete / mark stale /
 //!   tombstone). While the feed is down, `/readyz` says `"change_feed":
 //!   "down"` and `postcache_change_feed_up` is 0: the instance still serves,
 //!   without its memory tier, and freshness falls back to the TTLs.
 //! - The cutoff of `invalidate --all` is followed from Redis every second,
 //!   with the feed or without it.
 
-pub mod fanout;
-mod feed;
-pub mod outbox;
-pub mod pgoutput;
 pub mod replication;
 mod status;
+pub mod trigger;
 
 use std::{
     sync::{Arc, Mutex},
@@ -49,12 +46,13 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::task::AbortOnDropHandle;
 
-pub use outbox::{Change, Op};
+pub use replication::fanout;
 pub use status::{FeedState, FeedStatus, Mode, Report};
+pub use trigger::outbox::{self, Change, Op};
 
 use crate::{
     config::{ChangeFeed, DatabaseSettings},
-    flight::ReadPath,
+    read_path::ReadPath,
     store,
     store::PostStore,
     telemetry::metrics,
@@ -282,7 +280,7 @@ impl Setup {
     }
 
     async fn follow_outbox(self) {
-        let follower = feed::Follower {
+        let follower = trigger::Follower {
             pool: self.pool.clone(),
             database: self.database.clone(),
             read_path: self.read_path.clone(),

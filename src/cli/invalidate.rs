@@ -22,7 +22,7 @@ use crate::{
         outbox,
     },
     config::InvalidateArgs,
-    flight::apply,
+    read_path::apply,
     redis::ChangeKind,
     startup, store,
 };
@@ -81,7 +81,7 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
 }
 
 /// Appends what was invalidated to the fleet's change stream (see
-/// `changes/fanout.rs`), once Redis has it.
+/// `changes/replication/fanout.rs`), once Redis has it.
 async fn tell_the_stream(
     redis: &crate::redis::RedisCommands,
     keys: &Keys,

@@ -120,7 +120,7 @@ impl ServeArgs {
 
     /// How long a change's fence lives (as the read path's settings say).
     pub fn fence_ttl(&self) -> Duration {
-        crate::flight::fence_ttl(self.cache.lock_ttl, self.load_timeout())
+        crate::read_path::fence_ttl(self.cache.lock_ttl, self.load_timeout())
     }
 
     /// Checks the relations between settings that clap cannot express.

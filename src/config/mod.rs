@@ -15,7 +15,7 @@ pub use parse::{
     parse_duration, OptionalAddr, UrlList, MAX_COUNT, MAX_DURATION, MAX_ENTRY_BYTES_LIMIT,
 };
 
-pub use crate::{flight::Strategy, telemetry::LogFormat};
+pub use crate::{read_path::Strategy, telemetry::LogFormat};
 
 /// postcache: serves posts from Redis in front of PostgreSQL, one load per key for the whole fleet.
 #[derive(Debug, Parser)]

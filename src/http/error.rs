@@ -10,8 +10,8 @@ use axum::{
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::flight::ReadError;
 use crate::posts::InvalidId;
+use crate::read_path::ReadError;
 
 /// The body of every error: `{"error": "..."}`, a short message (5xx
 /// bodies never carry internals).

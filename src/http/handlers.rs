@@ -20,8 +20,8 @@ use super::{
 };
 use crate::{
     cache::{now_millis, Entry, Status},
-    flight::{Answer, Served},
     posts::{Post, PostId},
+    read_path::{Answer, Served},
     telemetry::metrics,
 };
 

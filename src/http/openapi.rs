@@ -23,7 +23,7 @@ use utoipa::{
 use utoipa_axum::router::OpenApiRouter;
 
 use super::{error::ErrorBody, handlers, many, served, AppState};
-use crate::flight::Served;
+use crate::read_path::Served;
 
 /// The document's fixed parts; the paths come from the routes.
 #[derive(OpenApi)]
@@ -243,7 +243,7 @@ mod tests {
     use super::*;
     use crate::{
         cache::{Entry, Status},
-        flight::Answer,
+        read_path::Answer,
     };
 
     fn document_json() -> Value {

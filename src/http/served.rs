@@ -2,7 +2,7 @@
 //! `X-Cache-Tier` and `Cache-Status` headers and the `outcome` and `tier`
 //! labels of the request metrics.
 
-use crate::{cache::Status, flight::Served};
+use crate::{cache::Status, read_path::Served};
 
 /// Every way an answer is served: the values the OpenAPI document lists,
 /// and what the tests go through.
@@ -15,13 +15,13 @@ pub const ALL: [Served; 9] = [
     Served::CoalescedRemote,
     Served::Bypass,
     Served::TooLarge,
-    Served::Guard,
+    Served::KnownMissing,
 ];
 
 /// The `X-Cache` header value.
 pub fn header(served: Served) -> &'static str {
     match served {
-        Served::Memory | Served::Hit | Served::Guard => "hit",
+        Served::Memory | Served::Hit | Served::KnownMissing => "hit",
         Served::Stale => "stale",
         Served::Miss => "miss",
         Served::CoalescedLocal | Served::CoalescedRemote => "coalesced",
@@ -42,7 +42,7 @@ pub fn cache_status(served: Served) -> &'static str {
         Served::Memory => "postcache; hit; detail=memory",
         Served::Hit => "postcache; hit; detail=redis",
         Served::Stale => "postcache; hit; detail=stale",
-        Served::Guard => "postcache; hit; detail=existence-guard",
+        Served::KnownMissing => "postcache; hit; detail=existence-guard",
         Served::Miss => "postcache; fwd=miss",
         Served::CoalescedLocal => "postcache; fwd=miss; collapsed; detail=local",
         Served::CoalescedRemote => "postcache; fwd=miss; collapsed; detail=fleet",
@@ -72,7 +72,7 @@ pub fn label(served: Served, status: Status) -> &'static str {
         (Served::CoalescedRemote, _) => "coalesced_remote",
         (Served::Bypass, _) => "bypass",
         (Served::TooLarge, _) => "too_large",
-        (Served::Guard, _) => "negative_hit",
+        (Served::KnownMissing, _) => "negative_hit",
     }
 }
 
@@ -81,7 +81,7 @@ pub fn hit_tier(served: Served) -> Option<&'static str> {
     match served {
         Served::Memory => Some("memory"),
         Served::Hit => Some("redis"),
-        Served::Guard => Some("guard"),
+        Served::KnownMissing => Some("guard"),
         _ => None,
     }
 }
@@ -92,7 +92,7 @@ pub fn tier_label(served: Served) -> &'static str {
     match served {
         Served::Memory => "memory",
         Served::Hit | Served::Stale => "redis",
-        Served::Guard => "guard",
+        Served::KnownMissing => "guard",
         Served::Miss
         | Served::CoalescedLocal
         | Served::CoalescedRemote

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use super::{caching::CachingHeaders, probe::Probe};
-use crate::{changes::FeedStatus, flight::ReadPath, store::PostStore};
+use crate::{changes::FeedStatus, read_path::ReadPath, store::PostStore};
 
 /// What every handler can reach; cloned per request (one reference count).
 #[derive(Clone)]

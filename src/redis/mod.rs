@@ -1,11 +1,11 @@
 //! The Redis side of the read path and of the change feed: commands bounded
-//! by REDIS_TIMEOUT (`commands.rs`), routed per key to a node and its
+//! by REDIS_TIMEOUT (`commands/`), routed per key to a node and its
 //! circuit breaker (`nodes.rs`, `breaker.rs`), the Lua scripts with their
 //! typed calls and replies (`scripts/`), the shared subscriber
-//! (`subscriber/`), what a failure says of the server (`error.rs`), and
+//! (`subscriber.rs`), what a failure says of the server (`error.rs`), and
 //! the clients made from REDIS_URL (`connect.rs`).
 //! It knows the entry envelope and the key names (`cache`), and nothing of
-//! the protocol that uses it (`flight`).
+//! the protocol that uses it (`read_path`).
 
 mod breaker;
 mod coalesce;

@@ -1,6 +1,6 @@
 //! The store: posts read and written in PostgreSQL, on the primary and,
 //! for loads, on the read replicas (`replicas/`); the read path's
-//! [`Source`](crate::flight::Source) of posts.
+//! [`Source`](crate::read_path::Source) of posts.
 
 use std::sync::Arc;
 
@@ -8,8 +8,8 @@ use sqlx::PgPool;
 
 use super::{replica_floor::Suspects, replicas::Replicas};
 use crate::{
-    flight::{Progress, Since},
     posts::Post,
+    read_path::{LoadProgress, Since},
 };
 
 /// Reads and writes posts in PostgreSQL: the primary, and for loads the
@@ -20,7 +20,7 @@ pub struct PostStore {
     replicas: Option<Arc<Replicas>>,
     /// When a read on the primary last succeeded: tells a busy pool from a
     /// database that stopped answering (see [`PostStore::load_error`]).
-    answered: Arc<Progress>,
+    answered: Arc<LoadProgress>,
 }
 
 impl std::fmt::Debug for PostStore {
@@ -98,20 +98,20 @@ impl PostStore {
         .inspect(|_| self.answered.succeeded())
     }
 
-    /// A failed read as a load error: [`crate::flight::Busy`] when every
+    /// A failed read as a load error: [`crate::read_path::Busy`] when every
     /// connection was open and taken for DB_ACQUIRE_TIMEOUT while reads
     /// kept succeeding (this instance is busy, the post did not fail). A
     /// pool that timed out with room left could not connect, and one whose
     /// connections were all taken by reads none of which succeeded in that
     /// time holds statements (or connects) that hang: PostgreSQL is down or
     /// unreachable, a failure like any other.
-    fn load_error(&self, error: sqlx::Error) -> crate::flight::LoadError {
+    fn load_error(&self, error: sqlx::Error) -> crate::read_path::LoadError {
         let waited = self.pool.options().get_acquire_timeout();
         match error {
             sqlx::Error::PoolTimedOut
                 if self.exhausted() && self.answered.succeeded_within(waited) =>
             {
-                crate::flight::Busy.into()
+                crate::read_path::Busy.into()
             }
             error => error.into(),
         }
@@ -206,7 +206,7 @@ fn connection_lost(error: &sqlx::Error) -> bool {
 }
 
 /// The read path loads a post as its JSON body, `None` when absent.
-impl crate::flight::Source for PostStore {
+impl crate::read_path::Source for PostStore {
     type Key = i64;
 
     fn reads_copies(&self) -> bool {
@@ -217,7 +217,7 @@ impl crate::flight::Source for PostStore {
         &self,
         id: &i64,
         since: Since,
-    ) -> Result<Option<bytes::Bytes>, crate::flight::LoadError> {
+    ) -> Result<Option<bytes::Bytes>, crate::read_path::LoadError> {
         if let Some(replicas) = &self.replicas {
             let routed = replicas.read(&[(*id, since)]).await;
             if routed.primary.is_empty() {
@@ -247,7 +247,9 @@ impl crate::flight::Source for PostStore {
     }
 
     /// Every id, streamed (one pass over the primary key's index).
-    async fn ordinals(&self) -> Result<Option<roaring::RoaringTreemap>, crate::flight::LoadError> {
+    async fn ordinals(
+        &self,
+    ) -> Result<Option<roaring::RoaringTreemap>, crate::read_path::LoadError> {
         use futures::TryStreamExt;
         let mut ids = sqlx::query_scalar::<_, i64>("select id from posts").fetch(&self.pool);
         let mut set = roaring::RoaringTreemap::new();
@@ -262,7 +264,7 @@ impl crate::flight::Source for PostStore {
     async fn load_many(
         &self,
         keys: &[(i64, Since)],
-    ) -> Result<Vec<(i64, bytes::Bytes)>, crate::flight::LoadError> {
+    ) -> Result<Vec<(i64, bytes::Bytes)>, crate::read_path::LoadError> {
         let (mut posts, primary) = match &self.replicas {
             Some(replicas) => {
                 let routed = replicas.read(keys).await;

@@ -23,7 +23,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::flight::Since;
+use crate::read_path::Since;
 
 /// How long keys served from replicas are remembered: far longer than the
 /// fleet's stream takes to reach an instance (milliseconds).

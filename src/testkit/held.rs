@@ -10,7 +10,7 @@ use std::sync::{
 use tokio::sync::Semaphore;
 
 use super::{wait_until, A_WHILE};
-use crate::flight::Hooks;
+use crate::read_path::Hooks;
 
 /// Holds the first load (of one value key, or of any) once it has read.
 #[derive(Clone)]

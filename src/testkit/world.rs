@@ -18,7 +18,7 @@ use crate::{
     cache::{Entry, Keys},
     cli::seed::generate,
     config::{Cli, Command, DatabaseSettings, InspectArgs, InvalidateArgs, ServeArgs},
-    flight::Hooks,
+    read_path::Hooks,
     startup::Application,
     store::PostStore,
 };

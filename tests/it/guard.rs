@@ -88,8 +88,8 @@ async fn an_insert_is_served_once_the_feed_applies_it_and_a_delete_is_missing_by
     .await;
     // Missing by the load and the absence Redis keeps, not by the guard:
     // the news of a deletion may come after the post was inserted again.
-    assert!(!app.state.read_path.guard().says_missing(7));
-    assert!(!app.state.read_path.guard().says_missing(500));
+    assert!(!app.state.read_path.existence().says_missing(7));
+    assert!(!app.state.read_path.existence().says_missing(500));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -148,7 +148,7 @@ async fn while_the_feed_is_down_the_guard_stands_aside_and_is_built_again_after(
         ])
         .await;
     until_built(&app, 3.0).await;
-    let guard = || app.state.read_path.guard();
+    let guard = || app.state.read_path.existence();
     assert!(guard().says_missing(50));
 
     redis.cli(&["client", "pause", "1500", "all"]);

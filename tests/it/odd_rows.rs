@@ -13,7 +13,7 @@ use std::{
 use futures::future::join_all;
 use postcache::{
     cli::inspect::{self, EntryStatus},
-    flight::Hooks,
+    read_path::Hooks,
     testkit::{
         answered, fire, wait_until, ServiceProcess, TableLock, TestApp, TestEnv, A_WHILE, PATIENT,
     },

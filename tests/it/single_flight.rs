@@ -9,7 +9,7 @@ use fred::prelude::*;
 use futures::future::join_all;
 use postcache::{
     cache::{Entry, Status},
-    flight::Hooks,
+    read_path::Hooks,
     testkit::{answered, fire, wait_until, TableLock, TestEnv, PATIENT},
 };
 

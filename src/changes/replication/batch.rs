@@ -92,7 +92,7 @@ impl Batch {
         self.posts.len() >= BATCH_MAX || self.until.is_none_or(|until| until.elapsed() >= LINGER)
     }
 
-    pub(super) fn add(&mut self, tx: Pending, lsn: Lsn, progress: &mut Progress) {
+    pub(super) fn add(&mut self, tx: Pending, lsn: Lsn, progress: &mut DecoderProgress) {
         if self.last.is_none() {
             self.first_commit_micros = tx.commit_time_micros;
             self.until = self
@@ -114,7 +114,7 @@ pub(super) const RETRY_LIST_MAX: usize = 10_000;
 
 /// How far the decoder has got.
 #[derive(Default)]
-pub(super) struct Progress {
+pub(super) struct DecoderProgress {
     /// Everything the server sent up to here is read (applied, or waiting
     /// in `retry`).
     pub(super) applied: Lsn,
@@ -126,7 +126,7 @@ pub(super) struct Progress {
     pub(super) retry: HashMap<i64, (ChangeKind, u64)>,
 }
 
-impl Progress {
+impl DecoderProgress {
     pub(super) fn read_to(&mut self, lsn: Lsn) {
         self.applied = self.applied.max(lsn);
         if self.retry.is_empty() {

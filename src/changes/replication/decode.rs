@@ -12,18 +12,12 @@ use futures::{stream, FutureExt, StreamExt};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 
 use super::{
-    batch::{Batch, Pending, Progress, RETRY_LIST_MAX},
+    batch::{Batch, DecoderProgress, Pending, RETRY_LIST_MAX},
+    fanout::{self, Entry, BEAT_EVERY},
+    pgoutput::{self, Layouts, Message},
     Candidate,
 };
-use crate::{
-    changes::{
-        fanout::{self, Entry, BEAT_EVERY},
-        pgoutput::{self, Layouts, Message},
-    },
-    flight::Since,
-    redis::ChangeKind,
-    telemetry::metrics,
-};
+use crate::{read_path::Since, redis::ChangeKind, telemetry::metrics};
 
 /// Changes applied to Redis at once, one script each (a Redis Cluster).
 const APPLYING: usize = 64;
@@ -53,7 +47,7 @@ impl Candidate {
         let mut relations = Relations::default();
         let mut pending: Option<Pending> = None;
         let mut batch = Batch::default();
-        let mut progress = Progress::default();
+        let mut progress = DecoderProgress::default();
         let mut server_end = Lsn(0);
         // The server sends a keepalive once it has sent everything up to
         // its end: only then do the beats say this decoder keeps up.
@@ -159,7 +153,7 @@ impl Candidate {
     /// waits in the retry list, and holds the confirmed LSN back until it
     /// is applied: after a crash the server sends it again. An error ends
     /// the session unconfirmed.
-    async fn flush(&self, batch: &mut Batch, progress: &mut Progress) -> anyhow::Result<()> {
+    async fn flush(&self, batch: &mut Batch, progress: &mut DecoderProgress) -> anyhow::Result<()> {
         batch.until = None;
         let Some(last) = batch.last.take() else {
             return Ok(());
@@ -183,7 +177,7 @@ impl Candidate {
         changes: Vec<(i64, ChangeKind, u64)>,
         lsn: Lsn,
         lag: Duration,
-        progress: &mut Progress,
+        progress: &mut DecoderProgress,
     ) -> anyhow::Result<()> {
         #[cfg(feature = "testkit")]
         let changes = match &self.read_path.settings().hooks.lose_change {
@@ -287,7 +281,7 @@ impl Candidate {
     }
 
     /// Tries again what waits for Redis.
-    async fn retry(&self, progress: &mut Progress) -> anyhow::Result<()> {
+    async fn retry(&self, progress: &mut DecoderProgress) -> anyhow::Result<()> {
         if progress.retry.is_empty() {
             return Ok(());
         }

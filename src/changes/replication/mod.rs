@@ -39,6 +39,8 @@
 mod batch;
 mod connection;
 mod decode;
+pub mod fanout;
+pub mod pgoutput;
 
 use std::{
     sync::Arc,
@@ -52,13 +54,13 @@ use sqlx::PgPool;
 use connection::{refusal, Refusal};
 pub use connection::{replication_config, PUBLICATION};
 
-use super::fanout::{self, Beats, Entry, BEAT_STALE};
 use crate::{
     config::DatabaseSettings,
-    flight::{ReadPath, Since},
+    read_path::{ReadPath, Since},
     store::PostStore,
     telemetry::metrics,
 };
+use fanout::{Beats, Entry, BEAT_STALE};
 
 /// A transaction that changes this many posts or more is one raise of the
 /// cutoff, not one application per post.

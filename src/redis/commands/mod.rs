@@ -324,7 +324,7 @@ impl RedisCommands {
     /// `on_won` runs where the won reply is read, before any later reply
     /// of the node's value claims is handed out: a request of this process
     /// that looks later finds the claim and, if it starts the flight, can
-    /// find it handed over (see `flight/won.rs`). A lookup that claims
+    /// find it handed over (see `read_path/won.rs`). A lookup that claims
     /// counts as a won election; one that finds the key held or stored
     /// counts as nothing (it was a lookup).
     pub async fn look_up_or_claim(

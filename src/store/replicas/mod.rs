@@ -60,7 +60,7 @@ use std::{
 use sqlx::PgPool;
 
 use super::replica_floor::{Floor, Suspects};
-use crate::{cache::now_millis, flight::Since, posts::Post, telemetry::metrics};
+use crate::{cache::now_millis, posts::Post, read_path::Since, telemetry::metrics};
 
 /// How often the probe runs.
 pub const PROBE_EVERY: Duration = Duration::from_secs(1);

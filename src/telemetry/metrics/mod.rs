@@ -104,7 +104,7 @@ pub fn lock_election(won: bool) {
     counter!(LOCK_ELECTIONS, "result" => if won { "won" } else { "lost" }).increment(1);
 }
 
-/// A wait for another's load ended; `ended_by` is `flight::WaitEnd`'s label.
+/// A wait for another's load ended; `ended_by` is `read_path::WaitEnd`'s label.
 pub fn wait_ended(ended_by: &'static str, took: Duration) {
     counter!(WAITS, "ended_by" => ended_by).increment(1);
     histogram!(WAIT_DURATION).record(took.as_secs_f64());

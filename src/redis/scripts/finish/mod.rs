@@ -25,7 +25,7 @@
 //! for FAILURE_TTL. Then publish what is stored on the ready channel, and
 //! release the lock if it is ours.
 //!
-//! Which TTLs is decided in Rust (`flight::freshness::store_for`); which copy, here,
+//! Which TTLs is decided in Rust (`read_path::freshness::store_for`); which copy, here,
 //! because only Redis knows what is stored at the moment of the finish.
 //!
 //! The `$…` placeholders are the envelope's layout, filled in from the
@@ -98,7 +98,7 @@ pub(super) fn many_lua() -> String {
 }
 
 /// Lifetimes the finish stores with (0: do not store that key), decided by
-/// the read path's store policy (`flight::freshness::store_for`).
+/// the read path's store policy (`read_path::freshness::store_for`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreFor {
     /// The value key (a found entry: freshness, then its life as the

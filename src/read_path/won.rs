@@ -9,23 +9,14 @@
 //! won claim is put here where its reply is read, before any later reply of
 //! the node's value claims is handed out, and a flight's election takes it
 //! from here ([`WonClaims::take`]): whichever request starts the flight,
-//! the flight leads with the claim.
-//!
-//! A claim that no flight takes is let go, token-checked, with `retry`
-//! published, so that a flight waiting on it elects again at once instead
-//! of sleeping until LOCK_TTL: its request went away, found its item
-//! guarded, or joined a flight that was past its election (one waiting on
-//! a claim that a change or an expiry has taken away since, and that looked
-//! again before this claim was put here).
+//! the flight leads with the claim. The first look itself, and the guard
+//! that lets go of a claim no flight took, are `first_look.rs`.
 
 use std::{
     collections::HashMap,
     hash::Hash,
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Mutex, PoisonError},
 };
-
-use super::{leader::abandon_in_background, ReadPath, Source};
-use crate::cache::{claim_of, ItemKeys};
 
 /// The claims won at first looks in this process and not yet taken by a
 /// flight, by key: the winner's lock token.
@@ -59,7 +50,7 @@ impl<K: Eq + Hash> WonClaims<K> {
     }
 
     /// Whether `token`'s claim was still here (it is not any longer).
-    fn take_if(&self, key: &K, token: &str) -> bool {
+    pub fn take_if(&self, key: &K, token: &str) -> bool {
         let mut won = self.lock();
         let ours = won.get(key).is_some_and(|held| held == token);
         if ours {
@@ -71,62 +62,6 @@ impl<K: Eq + Hash> WonClaims<K> {
     #[cfg(test)]
     fn len(&self) -> usize {
         self.lock().len()
-    }
-}
-
-/// One request's claim at its first look, until a flight takes it.
-/// Dropped while its claim is still in [`WonClaims`] (not taken), it lets
-/// go of it (see the module's comment).
-pub(super) struct Won<S: Source> {
-    path: Arc<ReadPath<S>>,
-    key: S::Key,
-    token: String,
-    /// The value key and the ready channel.
-    value: String,
-    channel: String,
-    /// Whether the claim may be in [`WonClaims`]: the first look won it, or
-    /// its reply never came (its hook may have run).
-    armed: bool,
-}
-
-impl<S: Source> Won<S> {
-    /// The claim about to be tried with `token` at `key`'s first look.
-    pub fn new(path: &Arc<ReadPath<S>>, key: &S::Key, keys: &ItemKeys, token: String) -> Self {
-        Self {
-            path: path.clone(),
-            key: key.clone(),
-            token,
-            value: keys.value.clone(),
-            channel: keys.channel.clone(),
-            armed: true,
-        }
-    }
-
-    pub fn token(&self) -> &str {
-        &self.token
-    }
-
-    /// The first look did not win it: nothing to let go of.
-    pub fn disarm(&mut self) {
-        self.armed = false;
-    }
-}
-
-impl<S: Source> Drop for Won<S> {
-    fn drop(&mut self) {
-        if !self.armed || !self.path.won.take_if(&self.key, &self.token) {
-            return;
-        }
-        tracing::debug!(
-            key = self.value,
-            "a claim won at a first look that no flight took; letting it go"
-        );
-        abandon_in_background(
-            &self.path,
-            std::mem::take(&mut self.value),
-            std::mem::take(&mut self.channel),
-            claim_of(&self.token),
-        );
     }
 }
 

@@ -1,7 +1,7 @@
 //! The protocol: which keys this process has lately seen stored in Redis,
 //! to choose a request's first look.
 //!
-//! A first look that claims (`SET NX GET`, see `won.rs`) saves a cold
+//! A first look that claims (`SET NX GET`, see `first_look.rs`) saves a cold
 //! miss's leader a round trip, but a hit pays for it: Redis runs a `SET`
 //! per look where a batch of plain lookups is one `MGET`, and the instance
 //! builds and routes a command per look (a batch of first looks at one hot

@@ -38,13 +38,13 @@ enum State {
 }
 
 /// The existence guard of one process (see the module's comment).
-pub struct Guard {
+pub struct ExistenceSet {
     state: RwLock<State>,
     /// Names each build, so that one begun before a stand-aside cannot land.
     builds: std::sync::atomic::AtomicU64,
 }
 
-impl Default for Guard {
+impl Default for ExistenceSet {
     fn default() -> Self {
         Self {
             state: RwLock::new(State::Aside),
@@ -53,7 +53,7 @@ impl Default for Guard {
     }
 }
 
-impl Guard {
+impl ExistenceSet {
     fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
         self.state.read().unwrap_or_else(PoisonError::into_inner)
     }
@@ -152,8 +152,8 @@ impl Guard {
 mod tests {
     use super::*;
 
-    fn built(ids: &[u64]) -> Guard {
-        let guard = Guard::default();
+    fn built(ids: &[u64]) -> ExistenceSet {
+        let guard = ExistenceSet::default();
         let build = guard.begin_build().unwrap();
         assert!(guard.finish_build(build, ids.iter().copied().collect()));
         guard
@@ -161,7 +161,7 @@ mod tests {
 
     #[test]
     fn it_stands_aside_until_built() {
-        let guard = Guard::default();
+        let guard = ExistenceSet::default();
         assert!(!guard.says_missing(5));
         assert!(guard.wants_build());
         let guard = built(&[1, 2, 3]);
@@ -172,7 +172,7 @@ mod tests {
 
     #[test]
     fn changes_during_a_build_are_kept() {
-        let guard = Guard::default();
+        let guard = ExistenceSet::default();
         let build = guard.begin_build().unwrap();
         guard.admit(9);
         assert!(!guard.says_missing(9), "aside while building");
@@ -194,7 +194,7 @@ mod tests {
 
     #[test]
     fn a_build_begun_before_a_stand_aside_does_not_land() {
-        let guard = Guard::default();
+        let guard = ExistenceSet::default();
         let build = guard.begin_build().unwrap();
         guard.stand_aside();
         assert!(!guard.finish_build(build, [1].into_iter().collect()));

@@ -26,7 +26,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use tokio::sync::oneshot;
 
-use super::{Busy, LoadError, Progress, Since, Source};
+use super::{Busy, LoadError, LoadProgress, Since, Source};
 use crate::telemetry::metrics;
 
 /// What one key's load gave: its body, `None` when absent, or the batch's
@@ -71,7 +71,7 @@ pub(super) struct Batches<S: Source> {
     /// answering; see `progress.rs`).
     patience: Duration,
     /// When a statement last succeeded.
-    answered: Progress,
+    answered: LoadProgress,
     /// A std mutex: held only to queue or take keys, never across an await.
     queue: Mutex<Queue<S::Key>>,
     /// Wakes statements waiting for expected keys when none is left.
@@ -99,7 +99,7 @@ impl<S: Source> Batches<S> {
             max_batch: max_batch.max(1),
             max_running: max_running.max(1),
             patience,
-            answered: Progress::default(),
+            answered: LoadProgress::default(),
             queue: Mutex::new(Queue {
                 waiting: VecDeque::new(),
                 running: 0,

@@ -25,8 +25,19 @@
 
 use std::time::{Duration, Instant};
 
-use super::{answer::Outcome, freshness::Verdict, leader::Led, Served};
+use super::{answer::Outcome, freshness::Verdict, Served};
 use crate::cache::Entry;
+
+/// How a leader's turn ended.
+#[derive(Debug, PartialEq)]
+pub(super) enum Led {
+    /// With an outcome for its flight.
+    Done(Outcome),
+    /// Fenced: a change to the item was applied while it loaded, so what it
+    /// read (given here) may predate the change. Nothing was stored, and its
+    /// waiters were told to elect a leader again; so should its own flight.
+    Fenced(Entry),
+}
 
 /// How many times in a row a flight's own leader may be fenced by changes
 /// before it answers with what it read last (not storing it): a post
@@ -127,10 +138,10 @@ pub(super) enum End {
     FailOpen,
 }
 
-/// One flight's state: its deadline, the fenced rounds of its own leader,
-/// and the wait in progress.
+/// One flight's state machine: its deadline, the fenced rounds of its own
+/// leader, and the wait in progress.
 #[derive(Debug)]
-pub(super) struct Wait {
+pub(super) struct FlightMachine {
     deadline: Instant,
     fenced: u32,
     /// Since when this flight waits (from a lost election, until it ends
@@ -140,7 +151,7 @@ pub(super) struct Wait {
     ended: Option<(WaitEnd, Duration)>,
 }
 
-impl Wait {
+impl FlightMachine {
     pub fn new(deadline: Instant) -> Self {
         Self {
             deadline,
@@ -251,7 +262,7 @@ mod tests {
     use super::*;
     use crate::{
         cache::{now_millis, Status},
-        flight::{Answer, ReadError},
+        read_path::{Answer, ReadError},
     };
 
     const SECOND: Duration = Duration::from_secs(1);
@@ -265,12 +276,12 @@ mod tests {
     }
 
     fn fresh(entry: Entry) -> Verdict {
-        crate::flight::freshness::judge(Some(entry), now_millis(), Duration::ZERO, 0)
+        crate::read_path::freshness::judge(Some(entry), now_millis(), Duration::ZERO, 0)
     }
 
     /// A flight that has lost its first election and listens.
-    fn waiting(start: Instant) -> Wait {
-        let mut wait = Wait::new(start + 5 * SECOND);
+    fn waiting(start: Instant) -> FlightMachine {
+        let mut wait = FlightMachine::new(start + 5 * SECOND);
         assert_eq!(wait.next(Event::Start, start), Step::Elect);
         assert_eq!(wait.next(Event::Elected(false), start), Step::Listen);
         assert_eq!(wait.next(Event::Listening, start), Step::Look);
@@ -280,7 +291,7 @@ mod tests {
     #[test]
     fn winning_the_first_election_leads_and_ends_no_wait() {
         let now = Instant::now();
-        let mut wait = Wait::new(now + SECOND);
+        let mut wait = FlightMachine::new(now + SECOND);
         assert_eq!(wait.next(Event::Start, now), Step::Elect);
         assert_eq!(wait.next(Event::Elected(true), now), Step::Lead);
         assert_eq!(wait.take_ended(), None);
@@ -384,14 +395,14 @@ mod tests {
         assert_eq!(wait.take_ended().map(|e| e.0), Some(WaitEnd::Timeout));
 
         // A leader (not waiting) is never timed out between its steps.
-        let mut wait = Wait::new(now);
+        let mut wait = FlightMachine::new(now);
         assert_eq!(wait.next(Event::Start, late), Step::Elect);
     }
 
     #[test]
     fn a_leader_fenced_again_and_again_answers_what_it_read_unstored() {
         let now = Instant::now();
-        let mut wait = Wait::new(now + SECOND);
+        let mut wait = FlightMachine::new(now + SECOND);
         wait.next(Event::Start, now);
         for _ in 1..FENCED_ROUNDS {
             assert_eq!(wait.next(Event::Elected(true), now), Step::Lead);
@@ -411,7 +422,7 @@ mod tests {
     #[test]
     fn redis_failing_fails_open_and_an_overrun_times_out() {
         let now = Instant::now();
-        let mut wait = Wait::new(now + SECOND);
+        let mut wait = FlightMachine::new(now + SECOND);
         wait.next(Event::Start, now);
         assert_eq!(wait.next(Event::RedisFailed, now), Step::End(End::FailOpen));
         assert_eq!(wait.take_ended(), None);

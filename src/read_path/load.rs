@@ -12,7 +12,7 @@ use std::{
 use super::{
     answer::Outcome,
     batch::{Batches, Expected},
-    strategy, Answer, Busy, Served, Settings, Since, Source,
+    Answer, Busy, Served, Settings, Since, Source,
 };
 use crate::{
     cache::{Entry, Jitter, Status},
@@ -41,7 +41,7 @@ impl<S: Source> Loader<S> {
                 s.load_statements,
                 s.load_queue_timeout,
             ),
-            batched: strategy::batches_loads(s.strategy),
+            batched: s.batch_loads,
             cache_ttl: s.cache_ttl,
             negative_ttl: s.negative_ttl,
             jitter: s.jitter,
@@ -55,7 +55,7 @@ impl<S: Source> Loader<S> {
         self.source.source()
     }
 
-    /// Every item's ordinal, for the existence guard (see guard.rs).
+    /// Every item's ordinal, for the existence guard (see existence.rs).
     pub async fn ordinals(&self) -> Result<Option<roaring::RoaringTreemap>, super::LoadError> {
         self.source.source().ordinals().await
     }

@@ -62,7 +62,7 @@ pub trait Source: Send + Sync + 'static {
         false
     }
 
-    /// The item's number in the existence guard (see guard.rs); `None`
+    /// The item's number in the existence guard (see existence.rs); `None`
     /// (the default) keeps the item out of it: its misses always load.
     fn ordinal(_key: &Self::Key) -> Option<u64> {
         None

@@ -17,9 +17,11 @@ use rand::Rng;
 use tracing::Instrument;
 
 use super::{
+    context::Context,
     freshness::xfetch_fires,
-    leader::{self, lock_token, Leader, Led},
-    ReadPath, Source,
+    leader::{self, lock_token, Leader},
+    machine::Led,
+    source::Source,
 };
 use crate::{
     cache::{Entry, Status},
@@ -56,11 +58,25 @@ impl<K: Eq + Hash> Drop for Refreshing<K> {
     }
 }
 
-impl<S: Source> ReadPath<S> {
+/// The background refreshes running in this process: one per key.
+pub(super) struct Refreshes<S: Source> {
+    /// A std mutex: held only to insert or remove.
+    running: Arc<Mutex<HashSet<S::Key>>>,
+}
+
+impl<S: Source> Default for Refreshes<S> {
+    fn default() -> Self {
+        Self {
+            running: Arc::default(),
+        }
+    }
+}
+
+impl<S: Source> Refreshes<S> {
     /// XFetch on a fresh hit: the closer to expiry, the likelier one
     /// request starts the refresh, so that a hot key never expires.
-    pub(super) fn maybe_refresh_early(self: &Arc<Self>, key: &S::Key, entry: &Entry, now: u64) {
-        let beta = self.settings.early_refresh_beta;
+    pub fn maybe_early(&self, ctx: &Arc<Context<S>>, key: &S::Key, entry: &Entry, now: u64) {
+        let beta = ctx.settings.early_refresh_beta;
         // A not-found entry is not refreshed early: it expires after
         // NEGATIVE_TTL, and a refresh could only turn it into a failure.
         if beta <= 0.0 || entry.status() != Status::Found {
@@ -69,30 +85,34 @@ impl<S: Source> ReadPath<S> {
         // (0, 1]: ln(0) would be −∞.
         let u = 1.0 - rand::rng().random::<f64>();
         if xfetch_fires(now, entry.fresh_until(), entry.load_time(), beta, u) {
-            self.refresh_in_background(key.clone(), Some(entry.stored_at()));
+            self.start(ctx, key.clone(), Some(entry.stored_at()));
         }
     }
 
     /// Starts one refresh of `key` unless this process runs one already.
     /// `seen` is the stored_at of the entry that triggered it.
-    pub(super) fn refresh_in_background(self: &Arc<Self>, key: S::Key, seen: Option<u64>) {
-        let Some(refreshing) = Refreshing::enter(&self.refreshing, &key) else {
+    ///
+    /// The refresh is a leader as a miss's is ([`leader::claim`], then
+    /// [`Leader::lead`]), with nobody waiting on it: a claim lost means
+    /// another instance refreshes, and nothing is awaited.
+    pub fn start(&self, ctx: &Arc<Context<S>>, key: S::Key, seen: Option<u64>) {
+        let Some(refreshing) = Refreshing::enter(&self.running, &key) else {
             return;
         };
-        let this = self.clone();
-        self.tasks.spawn(
+        let ctx = ctx.clone();
+        ctx.tasks.clone().spawn(
             async move {
                 let _refreshing = refreshing;
-                let keys = this.keys.item(&key);
+                let keys = ctx.keys.item(&key);
                 let token = lock_token();
-                let ticket = this.memory.ticket(&key);
-                match leader::claim(&this, &keys, &token).await {
+                let ticket = ctx.memory.ticket(&key);
+                match leader::claim(&ctx, &keys, &token).await {
                     Ok(Some(before)) => {
-                        let leader = Leader::elected(&this, &key, &keys, &token);
+                        let leader = Leader::elected(&ctx, &key, &keys, &token);
                         let result = match leader.lead(before, seen, false).await {
                             Led::Done(Err(_)) => "failed",
                             Led::Done(Ok(answer)) => {
-                                this.keep_in_memory(&key, &answer, &ticket);
+                                ctx.keep_in_memory(&key, &answer, &ticket);
                                 "refreshed"
                             }
                             // The next reader starts another refresh.

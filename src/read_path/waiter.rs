@@ -15,26 +15,19 @@ use std::{
 };
 
 use super::{
-    answer::Outcome,
+    answer::{Answer, Outcome, ReadError, Served},
+    context::Context,
     freshness::{judge, Verdict},
-    leader::{self, lock_token, Leader, Led},
-    machine::{End, Event, Step, Wait, WaitEnd},
-    ReadError, ReadPath, Served, Source,
+    leader::{self, lock_token, Leader},
+    machine::{End, Event, FlightMachine, Led, Step, WaitEnd},
+    settings::Wake,
+    source::Source,
 };
 use crate::{
     cache::{claim_of, now_millis, Entry, ItemKeys},
     redis::{Before, LockTtl, Notice, RedisError, Subscription, ValueClaim, RETRY},
     telemetry::metrics,
 };
-
-/// How a waiter learns that the leader is done.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Wake {
-    /// The leader's ready message on the item's channel (pub/sub, the default).
-    Message,
-    /// A re-read of the value every interval (the load lab's `poll`).
-    Poll(Duration),
-}
 
 /// What a waiter listens with, once it has lost an election.
 enum Listener {
@@ -44,12 +37,13 @@ enum Listener {
     Interval(Duration),
 }
 
-/// One flight of one key in this process, from its first election to its
+/// The fleet-wide coordination of one flight of one key in this process
+/// (the in-process part is local.rs), from its first election to its
 /// outcome: leads, or waits for the leader's outcome until WAIT_TIMEOUT
 /// (a hard bound, exceeded by at most one REDIS_TIMEOUT: a step begun
-/// before it).
-pub(super) struct Flight<'a, S: Source> {
-    path: &'a ReadPath<S>,
+/// before it), driving its [`FlightMachine`].
+pub(super) struct Coordinator<'a, S: Source> {
+    ctx: &'a Context<S>,
     key: &'a S::Key,
     keys: ItemKeys,
     /// `keys` with the value key as the lock: the names a leader uses when
@@ -66,7 +60,7 @@ pub(super) struct Flight<'a, S: Source> {
     /// Whether the last election was in the value key: its leader's lock,
     /// whose lifetime bounds a wait.
     in_value: bool,
-    wait: Wait,
+    wait: FlightMachine,
     listener: Option<Listener>,
     /// The hard bound of every Redis step.
     hard: tokio::time::Instant,
@@ -80,18 +74,18 @@ pub(super) struct Flight<'a, S: Source> {
     looked_at: u64,
 }
 
-impl<'a, S: Source> Flight<'a, S> {
+impl<'a, S: Source> Coordinator<'a, S> {
     /// `absent`: the first look found no entry in the value key.
-    pub fn new(path: &'a ReadPath<S>, key: &'a S::Key, absent: bool) -> Self {
-        let deadline = Instant::now() + path.settings.wait_timeout;
-        let keys = path.keys.item(key);
+    pub fn new(ctx: &'a Context<S>, key: &'a S::Key, absent: bool) -> Self {
+        let deadline = Instant::now() + ctx.settings.wait_timeout;
+        let keys = ctx.keys.item(key);
         let in_value_keys = ItemKeys {
             lock: keys.value.clone(),
             ..keys.clone()
         };
         let token = lock_token();
         Self {
-            path,
+            ctx,
             key,
             keys,
             in_value_keys,
@@ -99,9 +93,9 @@ impl<'a, S: Source> Flight<'a, S> {
             token,
             claim_value: absent,
             in_value: false,
-            wait: Wait::new(deadline),
+            wait: FlightMachine::new(deadline),
             listener: None,
-            hard: (deadline + path.settings.redis_timeout).into(),
+            hard: (deadline + ctx.settings.redis_timeout).into(),
             failure: None,
             claimed: None,
             looked_at: 0,
@@ -114,7 +108,7 @@ impl<'a, S: Source> Flight<'a, S> {
         loop {
             let step = self.wait.next(event, Instant::now());
             if let Some((how, took)) = self.wait.take_ended() {
-                wait_ended(self.path, how, took);
+                wait_ended(self.ctx, how, took);
             }
             event = match step {
                 Step::Elect => {
@@ -123,7 +117,7 @@ impl<'a, S: Source> Flight<'a, S> {
                         Ok(claimed) => {
                             let won = claimed.is_some();
                             if !won {
-                                self.path.loader.not_loading(self.key);
+                                self.ctx.loader.not_loading(self.key);
                             }
                             self.claimed = claimed;
                             Event::Elected(won)
@@ -145,7 +139,7 @@ impl<'a, S: Source> Flight<'a, S> {
                     } else {
                         (&self.keys, &self.token)
                     };
-                    let led = Leader::elected(self.path, self.key, keys, token)
+                    let led = Leader::elected(self.ctx, self.key, keys, token)
                         .lead(before, None, true)
                         .await;
                     if matches!(led, Led::Fenced(_)) {
@@ -154,7 +148,7 @@ impl<'a, S: Source> Flight<'a, S> {
                     }
                     Event::Led(led)
                 }
-                Step::Listen => match bounded(self.hard, listen(self.path, &self.keys)).await {
+                Step::Listen => match bounded(self.hard, listen(self.ctx, &self.keys)).await {
                     Ok(listener) => {
                         self.listener = Some(listener);
                         Event::Listening
@@ -163,7 +157,7 @@ impl<'a, S: Source> Flight<'a, S> {
                 },
                 Step::Look => {
                     self.looked_at = now_millis();
-                    match bounded(self.hard, self.path.redis.lookup(&self.keys.value)).await {
+                    match bounded(self.hard, self.ctx.redis.lookup(&self.keys.value)).await {
                         Ok(entry) => {
                             self.claim_value = entry.is_none();
                             Event::Looked(self.judge(entry))
@@ -185,10 +179,10 @@ impl<'a, S: Source> Flight<'a, S> {
     /// command, no script), else, or if an entry landed there meanwhile,
     /// in the lock key. `Some` with what the leader must see when won.
     ///
-    /// A claim won for the key at a request's first look (see `won.rs`) is
+    /// A claim won for the key at a request's first look (see `won.rs` and `first_look.rs`) is
     /// taken first: this flight leads with it, no command sent.
     async fn elect(&mut self) -> Result<Option<Before>, RedisError> {
-        if let Some(token) = self.path.won.take(self.key) {
+        if let Some(token) = self.ctx.won.take(self.key) {
             self.claim = claim_of(&token);
             self.token = token;
             self.in_value = true;
@@ -196,7 +190,7 @@ impl<'a, S: Source> Flight<'a, S> {
             return Ok(Some(Before { entry: None, fence }));
         }
         if self.claim_value {
-            let claimed = leader::claim_value(self.path, &self.in_value_keys, &self.claim).await?;
+            let claimed = leader::claim_value(self.ctx, &self.in_value_keys, &self.claim).await?;
             match claimed {
                 ValueClaim::Won { fence } => {
                     self.in_value = true;
@@ -211,7 +205,7 @@ impl<'a, S: Source> Flight<'a, S> {
             }
         }
         self.in_value = false;
-        leader::claim(self.path, &self.keys, &self.token).await
+        leader::claim(self.ctx, &self.keys, &self.token).await
     }
 
     /// The event a failed step makes: fail open, or (past the hard bound)
@@ -227,7 +221,7 @@ impl<'a, S: Source> Flight<'a, S> {
     }
 
     fn judge(&self, entry: Option<Entry>) -> Verdict {
-        judge(entry, now_millis(), Duration::ZERO, self.path.cutoff())
+        judge(entry, now_millis(), Duration::ZERO, self.ctx.cutoff())
     }
 
     /// Sleeps until something worth a look happens, or the deadline: the
@@ -244,7 +238,7 @@ impl<'a, S: Source> Flight<'a, S> {
             // Never: the machine listens before it sleeps.
             None => return Ok(None),
         };
-        let (path, keys) = (self.path, &self.keys);
+        let (ctx, keys) = (self.ctx, &self.keys);
         // Sleep no longer than the lock lives: a leader that dies without
         // publishing is replaced once its lock expires (+1 ms to be past it).
         // A claim in the value key lives as long as its leader's lock (and
@@ -254,12 +248,12 @@ impl<'a, S: Source> Flight<'a, S> {
         } else {
             &keys.lock
         };
-        let lock_left = match path.redis.pttl(lock).await? {
+        let lock_left = match ctx.redis.pttl(lock).await? {
             // Released meanwhile: look and try again now.
             LockTtl::Absent => return Ok(None),
             LockTtl::Expires(left) => left + Duration::from_millis(1),
             // Set from outside without expiry: look again after a lock's lifetime.
-            LockTtl::NoExpiry => path.settings.lock_ttl,
+            LockTtl::NoExpiry => ctx.settings.lock_ttl,
         };
         let wake_at = (Instant::now() + lock_left).min(deadline);
         let notice = tokio::time::timeout_at(wake_at.into(), subscription.recv()).await;
@@ -298,7 +292,7 @@ impl<'a, S: Source> Flight<'a, S> {
     }
 
     async fn end(self, end: End) -> Outcome {
-        let loader = &self.path.loader;
+        let loader = &self.ctx.loader;
         match end {
             End::Answer(outcome) => outcome,
             End::Pass => loader.pass(self.key).await,
@@ -308,7 +302,7 @@ impl<'a, S: Source> Flight<'a, S> {
                 } else {
                     Served::Miss
                 };
-                super::Answer::new(entry, served)
+                Answer::new(entry, served)
             }
             End::TimedOut => Err(ReadError::Timeout),
             // The failure is always kept by `failed` before it ends here.
@@ -341,13 +335,13 @@ async fn bounded<T>(
 
 /// Starts listening as the wake mode says; with pub/sub, returns once the
 /// server has confirmed the subscription.
-async fn listen<S: Source>(path: &ReadPath<S>, keys: &ItemKeys) -> Result<Listener, RedisError> {
-    Ok(match path.settings.wake {
+async fn listen<S: Source>(ctx: &Context<S>, keys: &ItemKeys) -> Result<Listener, RedisError> {
+    Ok(match ctx.settings.wake {
         Wake::Poll(interval) => Listener::Interval(interval),
         Wake::Message => {
-            let subscription = path.subscriber.subscribe(&keys.channel).await?;
+            let subscription = ctx.subscriber.subscribe(&keys.channel).await?;
             #[cfg(feature = "testkit")]
-            if let Some(hook) = &path.settings.hooks.before_recheck {
+            if let Some(hook) = &ctx.settings.hooks.before_recheck {
                 hook(keys.value.clone()).await;
             }
             Listener::Channel(subscription)
@@ -357,7 +351,7 @@ async fn listen<S: Source>(path: &ReadPath<S>, keys: &ItemKeys) -> Result<Listen
 
 /// Counts a wait that ended (and tells the test hook).
 #[cfg_attr(not(feature = "testkit"), allow(unused_variables))]
-fn wait_ended<S: Source>(path: &ReadPath<S>, how: WaitEnd, took: Duration) {
+fn wait_ended<S: Source>(ctx: &Context<S>, how: WaitEnd, took: Duration) {
     tracing::debug!(
         how = how.as_str(),
         took_ms = took.as_secs_f64() * 1e3,
@@ -365,43 +359,7 @@ fn wait_ended<S: Source>(path: &ReadPath<S>, how: WaitEnd, took: Duration) {
     );
     metrics::wait_ended(how.as_str(), took);
     #[cfg(feature = "testkit")]
-    if let Some(hook) = &path.settings.hooks.wait_ended {
+    if let Some(hook) = &ctx.settings.hooks.wait_ended {
         hook(how);
-    }
-}
-
-/// Observation points for tests and benchmarks that must act or measure at
-/// an exact step of the protocol (the `testkit` feature only).
-#[cfg(feature = "testkit")]
-#[derive(Clone, Default)]
-pub struct Hooks {
-    /// Runs after a waiter's subscription is confirmed, before its re-check.
-    pub before_recheck: Option<Hook>,
-    /// Called the moment a wait ends, with what ended it.
-    pub wait_ended: Option<std::sync::Arc<dyn Fn(WaitEnd) + Send + Sync>>,
-    /// Runs after a leader's load, before its finish.
-    pub after_load: Option<Hook>,
-    /// A deliberate defect, for the coherence checker to find: the
-    /// replication decoder loses each change (post id, commit LSN) this
-    /// says to, neither applied to Redis nor put on the stream, and goes on
-    /// as if it had applied it.
-    pub lose_change: Option<std::sync::Arc<dyn Fn(i64, u64) -> bool + Send + Sync>>,
-}
-
-/// An async callback run at a point of the protocol, given the value key.
-#[cfg(feature = "testkit")]
-pub type Hook = std::sync::Arc<
-    dyn Fn(String) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync,
->;
-
-#[cfg(feature = "testkit")]
-impl std::fmt::Debug for Hooks {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Hooks")
-            .field("before_recheck", &self.before_recheck.is_some())
-            .field("wait_ended", &self.wait_ended.is_some())
-            .field("after_load", &self.after_load.is_some())
-            .field("lose_change", &self.lose_change.is_some())
-            .finish()
     }
 }

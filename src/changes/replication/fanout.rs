@@ -33,7 +33,7 @@ use std::{
 use fred::prelude::*;
 
 use crate::{
-    flight::{ReadPath, Since},
+    read_path::{ReadPath, Since},
     redis::{ChangeKind, RedisCommands, RedisError},
     store::PostStore,
 };
@@ -187,7 +187,7 @@ impl Beats {
 
 /// Reads the stream for one instance until aborted; `connected` says
 /// whether a read has succeeded since it started.
-pub(super) struct Reader {
+pub(in crate::changes) struct Reader {
     pub read_path: Arc<ReadPath<PostStore>>,
     /// A connection of its own: XREAD BLOCK holds it.
     pub client: Client,

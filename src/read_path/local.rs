@@ -26,16 +26,21 @@ use std::{
 
 use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
+use super::{
+    answer::{Answer, Outcome, ReadError},
+    panics,
+};
 use crate::telemetry::metrics;
 
 type Slot<V> = watch::Receiver<Option<V>>;
 
 /// The flights in progress in this process, by key.
-pub struct Flights<K, V> {
+pub struct LocalFlights<K, V> {
     /// A std mutex: only held to look up, insert or remove, never across an await.
     running: Arc<Mutex<HashMap<K, Slot<V>>>>,
-    /// How many run: read without the lock by [`Flights::detach`], which
+    /// How many run: read without the lock by [`LocalFlights::detach`], which
     /// every hit in Redis calls (flights are rare beside hits).
     count: Arc<AtomicUsize>,
     /// Where flight tasks are spawned, so that shutdown can wait for them.
@@ -62,7 +67,7 @@ pub enum Unshared {
     TimedOut,
 }
 
-impl<K, V> Flights<K, V> {
+impl<K, V> LocalFlights<K, V> {
     pub fn new(tasks: TaskTracker) -> Self {
         Self {
             running: Arc::default(),
@@ -72,7 +77,7 @@ impl<K, V> Flights<K, V> {
     }
 }
 
-impl<K, V> Default for Flights<K, V> {
+impl<K, V> Default for LocalFlights<K, V> {
     fn default() -> Self {
         Self::new(TaskTracker::new())
     }
@@ -101,7 +106,7 @@ impl<K: Eq + Hash, V> Drop for Deregister<K, V> {
     }
 }
 
-impl<K, V> Flights<K, V>
+impl<K, V> LocalFlights<K, V>
 where
     K: Clone + Eq + Hash + Send + Sync + 'static,
     V: Clone + Send + Sync + 'static,
@@ -188,6 +193,70 @@ where
     }
 }
 
+impl<K> LocalFlights<K, Outcome>
+where
+    K: Clone + Eq + Hash + std::fmt::Display + Send + Sync + 'static,
+{
+    /// Runs `fly(this, key)` once per key in this process: the first caller
+    /// owns the flight, later ones join it and share its outcome (a joiner's
+    /// answer is marked as such). The flight runs in a span naming its key,
+    /// and a panic in it answers 503, logged once (panics.rs).
+    pub async fn answer<T, F, Fut>(
+        &self,
+        this: &Arc<T>,
+        key: K,
+        patience: Duration,
+        fly: F,
+    ) -> Result<Answer, ReadError>
+    where
+        T: Send + Sync + 'static,
+        F: FnOnce(Arc<T>, K) -> Fut,
+        Fut: Future<Output = Outcome> + Send + 'static,
+    {
+        let this = this.clone();
+        let (role, outcome) = self
+            .run(key.clone(), patience, move || {
+                // The request's own span is at debug level: this one names the key.
+                let span = tracing::info_span!(
+                    "flight",
+                    key = %key,
+                    role = tracing::field::Empty,
+                    load_ms = tracing::field::Empty
+                );
+                let named = key.clone();
+                // Boxed where it is made: the run's state machine is large
+                // (every step's future), and the wrappers below and the spawn
+                // would each copy it; they copy a pointer instead.
+                let flight = Box::pin(fly(this, key));
+                // A panic answers 503; a leader's lock is let go as it unwinds.
+                async move { panics::caught(flight, &named, || Err(ReadError::Unavailable)).await }
+                    .instrument(span)
+            })
+            .await;
+        let outcome = outcome.unwrap_or_else(|error| {
+            Err(match error {
+                // A flight whose task panicked ended without an outcome.
+                Unshared::Abandoned => ReadError::Unavailable,
+                Unshared::TimedOut => ReadError::Timeout,
+            })
+        });
+        let span = tracing::Span::current();
+        if let Ok(answer) = &outcome {
+            tracing::debug!(?role, served = ?answer.served, stored_at = answer.entry().stored_at(), "flight answered");
+        }
+        match role {
+            Role::Owner => {
+                span.record("role", "flight_owner");
+                outcome
+            }
+            Role::Joiner => {
+                span.record("role", "flight_joiner");
+                outcome.map(Answer::joined)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,7 +265,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_callers_share_one_run() {
-        let flights = Arc::new(Flights::<u32, u32>::default());
+        let flights = Arc::new(LocalFlights::<u32, u32>::default());
         let runs = Arc::new(AtomicUsize::new(0));
         let mut tasks = Vec::new();
         for _ in 0..100 {
@@ -224,7 +293,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_detached_flight_ends_for_its_joiners_and_the_next_caller_starts_anew() {
-        let flights = Arc::new(Flights::<u32, u32>::default());
+        let flights = Arc::new(LocalFlights::<u32, u32>::default());
         let first = owner(&flights, 100, 1);
         tokio::time::sleep(Duration::from_millis(20)).await;
         let joiner = {
@@ -243,7 +312,7 @@ mod tests {
     /// Starts the flight of key 1 in a task of its own: it runs `ms`
     /// milliseconds and yields `value`.
     fn owner(
-        flights: &Arc<Flights<u32, u32>>,
+        flights: &Arc<LocalFlights<u32, u32>>,
         ms: u64,
         value: u32,
     ) -> tokio::task::JoinHandle<(Role, Result<u32, Unshared>)> {
@@ -260,7 +329,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_cancelled_owner_does_not_cancel_the_run() {
-        let flights = Arc::new(Flights::<u32, u32>::default());
+        let flights = Arc::new(LocalFlights::<u32, u32>::default());
         let owner = owner(&flights, 50, 9);
         tokio::time::sleep(Duration::from_millis(5)).await;
         owner.abort();
@@ -270,7 +339,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_panicking_run_wakes_every_joiner_with_an_error() {
-        let flights = Arc::new(Flights::<u32, u32>::default());
+        let flights = Arc::new(LocalFlights::<u32, u32>::default());
         let joiners: Vec<_> = (0..10)
             .map(|_| {
                 let flights = flights.clone();
@@ -296,7 +365,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_joiner_stops_waiting_after_its_patience() {
-        let flights = Arc::new(Flights::<u32, u32>::default());
+        let flights = Arc::new(LocalFlights::<u32, u32>::default());
         let owner = owner(&flights, 300, 3);
         tokio::time::sleep(Duration::from_millis(5)).await;
 

@@ -16,12 +16,12 @@ use tokio::time::Instant;
 /// When a statement last succeeded (with rows or none), as nanoseconds
 /// after `base`; 0 for never.
 #[derive(Debug)]
-pub struct Progress {
+pub struct LoadProgress {
     base: Instant,
     last: AtomicU64,
 }
 
-impl Default for Progress {
+impl Default for LoadProgress {
     fn default() -> Self {
         Self {
             base: Instant::now(),
@@ -30,7 +30,7 @@ impl Default for Progress {
     }
 }
 
-impl Progress {
+impl LoadProgress {
     /// A statement succeeded now.
     pub fn succeeded(&self) {
         let since = self.base.elapsed().as_nanos().max(1);
@@ -57,7 +57,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_answer_counts_for_the_window_it_falls_in() {
-        let progress = Progress::default();
+        let progress = LoadProgress::default();
         assert!(
             !progress.succeeded_within(Duration::from_secs(3600)),
             "never"

@@ -11,40 +11,28 @@
 //! woken by the finish's publish as before, and a finish that is fenced
 //! stores nothing and sends them to elect again, as before.
 
-use std::{
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use rand::Rng;
 use tokio_util::task::TaskTracker;
 
 use super::{
-    answer::Outcome,
+    answer::{Answer, Outcome, ReadError, Served},
+    context::Context,
     freshness::{judge, store_for, Lifetimes, Verdict},
+    letgo::{abandon, Attempt},
+    machine::Led,
     memory::Ticket,
-    won::Won,
-    Answer, Busy, ReadError, ReadPath, Served, Since, Source,
+    source::{Busy, Since, Source},
 };
 use crate::{
-    cache::{claim_of, now_millis, Entry, ItemKeys, Status},
+    cache::{now_millis, Entry, ItemKeys, Status},
     redis::{
-        with_backoff, Before, Finish, Finished, FirstLook, LockOp, OnLock, OnWon, RedisCommands,
-        RedisError, StoreFor, ValueClaim, RETRY_FIRST,
+        with_backoff, Before, Finish, Finished, LockOp, OnLock, RedisCommands, RedisError,
+        StoreFor, ValueClaim, RETRY_FIRST,
     },
     telemetry::metrics,
 };
-
-/// How a leader's turn ended.
-#[derive(Debug, PartialEq)]
-pub(super) enum Led {
-    /// With an outcome for its flight.
-    Done(Outcome),
-    /// Fenced: a change to the item was applied while it loaded, so what it
-    /// read (given here) may predate the change. Nothing was stored, and its
-    /// waiters were told to elect a leader again; so should its own flight.
-    Fenced(Entry),
-}
 
 /// A random token naming one leader's hold on a lock: only its holder may
 /// extend or release it.
@@ -73,14 +61,14 @@ pub(super) struct Held {
 }
 
 impl Held {
-    fn new<S: Source>(path: &ReadPath<S>, keys: &ItemKeys, token: &str) -> Self {
+    fn new<S: Source>(ctx: &Context<S>, keys: &ItemKeys, token: &str) -> Self {
         Self {
-            redis: path.redis.clone(),
-            tasks: path.tasks.clone(),
+            redis: ctx.redis.clone(),
+            tasks: ctx.tasks.clone(),
             lock: keys.lock.clone(),
             channel: keys.channel.clone(),
             token: token.to_owned(),
-            lock_ttl: path.settings.lock_ttl,
+            lock_ttl: ctx.settings.lock_ttl,
             held: true,
         }
     }
@@ -123,67 +111,9 @@ impl Drop for Held {
     }
 }
 
-/// Lets go of `lock` if it holds `token`, publishing `retry` on `channel`
-/// so that its waiters elect again now, in the background, retried with
-/// backoff for up to LOCK_TTL (see [`Held`]).
-pub(super) fn abandon_in_background<S: Source>(
-    path: &ReadPath<S>,
-    lock: String,
-    channel: String,
-    token: String,
-) {
-    // Outside a runtime (it is gone): the lock expires by itself.
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    let (redis, tasks) = (&path.redis, &path.tasks);
-    abandon(
-        redis,
-        tasks,
-        path.settings.lock_ttl,
-        lock,
-        channel,
-        token,
-        &runtime,
-    );
-}
-
-fn abandon(
-    redis: &RedisCommands,
-    tasks: &TaskTracker,
-    lock_ttl: Duration,
-    lock: String,
-    channel: String,
-    token: String,
-    runtime: &tokio::runtime::Handle,
-) {
-    let redis = redis.clone();
-    let give_up = Instant::now() + lock_ttl;
-    tasks.spawn_on(
-        async move {
-            let abandon = OnLock {
-                lock: &lock,
-                token: &token,
-                op: LockOp::Abandon {
-                    channel: &channel,
-                    sharded: redis.sharded(),
-                },
-            };
-            match with_backoff(give_up, || redis.eval(&abandon)).await {
-                Ok(true) => tracing::info!(lock, "lock let go; its waiters elect again"),
-                Ok(false) => {}
-                Err(error) => {
-                    tracing::warn!(%error, lock, "could not let go of the lock; it expires by itself")
-                }
-            }
-        },
-        runtime,
-    );
-}
-
 /// The leader of one key's load in the fleet, holding its lock.
 pub(super) struct Leader<'a, S: Source> {
-    path: &'a ReadPath<S>,
+    ctx: &'a Context<S>,
     key: &'a S::Key,
     keys: &'a ItemKeys,
     token: &'a str,
@@ -193,14 +123,14 @@ pub(super) struct Leader<'a, S: Source> {
 impl<'a, S: Source> Leader<'a, S> {
     /// Just elected: holds `keys.lock` with `token`.
     pub fn elected(
-        path: &'a ReadPath<S>,
+        ctx: &'a Context<S>,
         key: &'a S::Key,
         keys: &'a ItemKeys,
         token: &'a str,
     ) -> Self {
         Self {
-            held: Held::new(path, keys, token),
-            path,
+            held: Held::new(ctx, keys, token),
+            ctx,
             key,
             keys,
             token,
@@ -220,7 +150,7 @@ impl<'a, S: Source> Leader<'a, S> {
             Err(done) => return self.release(done).await,
         };
         // Taken before the read: a change applied here after it moves it.
-        let early = answer_early.then(|| self.path.memory.ticket(self.key));
+        let early = answer_early.then(|| self.ctx.memory.ticket(self.key));
         match self.load(Since::of_fence(&fence)).await {
             Ok(loaded) => self.finish(loaded, fence, early).await,
             Err(Busy) => self.let_go().await,
@@ -236,10 +166,10 @@ impl<'a, S: Source> Leader<'a, S> {
             token: self.token,
             op: LockOp::Abandon {
                 channel: &self.keys.channel,
-                sharded: self.path.redis.sharded(),
+                sharded: self.ctx.redis.sharded(),
             },
         };
-        match self.path.redis.eval(&abandon).await {
+        match self.ctx.redis.eval(&abandon).await {
             Ok(_) => self.held.handed_over(),
             // Dropped while held: let go in the background.
             Err(error) => tracing::warn!(%error, "failed to let go of the lock; retrying"),
@@ -257,7 +187,7 @@ impl<'a, S: Source> Leader<'a, S> {
             before.entry,
             now_millis(),
             Duration::ZERO,
-            self.path.cutoff(),
+            self.ctx.cutoff(),
         );
         // A refresh must not settle for the very entry it replaces.
         let replaced = matches!(&verdict,
@@ -276,7 +206,7 @@ impl<'a, S: Source> Leader<'a, S> {
             token: self.token,
             op: LockOp::Release,
         };
-        match self.path.redis.eval(&release).await {
+        match self.ctx.redis.eval(&release).await {
             Ok(_) => self.held.handed_over(),
             // Dropped while held: let go in the background.
             Err(error) => tracing::warn!(%error, "failed to release an unused lock; retrying"),
@@ -291,10 +221,10 @@ impl<'a, S: Source> Leader<'a, S> {
     /// `since`: the change the claim's fence names, which the row read
     /// must include (a replica that has not replayed it is not read).
     async fn load(&self, since: Since) -> Result<Entry, Busy> {
-        let path = self.path;
-        let load = path.loader.entry(self.key, since);
+        let ctx = self.ctx;
+        let load = ctx.loader.entry(self.key, since);
         tokio::pin!(load);
-        let lock_ttl = path.settings.lock_ttl;
+        let lock_ttl = ctx.settings.lock_ttl;
         let period = (lock_ttl / 3).max(Duration::from_millis(10));
         let mut tick = tokio::time::interval_at((Instant::now() + period).into(), period);
         let mut extending = true;
@@ -307,7 +237,7 @@ impl<'a, S: Source> Leader<'a, S> {
             tokio::select! {
                 done = &mut load => break done,
                 _ = tick.tick(), if extending => {
-                    match path.redis.eval(&extend).await {
+                    match ctx.redis.eval(&extend).await {
                         Ok(true) => tracing::debug!(lock = extend.lock, "lock extended"),
                         Ok(false) => {
                             tracing::warn!(lock = extend.lock, "lock lost during the load; no longer extending");
@@ -319,7 +249,7 @@ impl<'a, S: Source> Leader<'a, S> {
             }
         };
         #[cfg(feature = "testkit")]
-        if let Some(hook) = &path.settings.hooks.after_load {
+        if let Some(hook) = &ctx.settings.hooks.after_load {
             hook(self.keys.value.clone()).await;
         }
         loaded
@@ -342,12 +272,12 @@ impl<'a, S: Source> Leader<'a, S> {
     /// - a row read before the cutoff, or from a replica (the fence decides
     ///   whether a replica's row is current enough to serve).
     async fn finish(self, loaded: Entry, fence: String, early: Option<Ticket>) -> Led {
-        let path = self.path;
+        let ctx = self.ctx;
         // Over MAX_ENTRY_BYTES: a marker is stored and published in its
         // place (waiters elsewhere load it themselves), and this flight,
         // with the requests that joined it here, is answered with the body.
-        let (entry, too_large) = path.loader.to_store(loaded);
-        let s = &path.settings;
+        let (entry, too_large) = ctx.loader.to_store(loaded);
+        let s = &ctx.settings;
         let store = store_for(
             &entry,
             Lifetimes {
@@ -360,11 +290,11 @@ impl<'a, S: Source> Leader<'a, S> {
                 },
             },
         );
-        let cutoff = path.cutoff();
+        let cutoff = ctx.cutoff();
         if early.is_some_and(|ticket| self.answers_early(&entry, cutoff, &ticket)) {
             let answer = self.answer(entry.clone(), &entry, too_large);
             let finish = (self.keys.clone(), entry, store, fence, cutoff);
-            finish_in_background(path, self.held, finish, Attempts::FirstNow);
+            finish_in_background(ctx, self.held, finish, Attempts::FirstNow);
             return Led::Done(answer);
         }
         let finish = Finish {
@@ -374,9 +304,9 @@ impl<'a, S: Source> Leader<'a, S> {
             store,
             fence: &fence,
             cutoff,
-            sharded: path.redis.sharded(),
+            sharded: ctx.redis.sharded(),
         };
-        match path.redis.finish(&finish).await {
+        match ctx.redis.finish(&finish).await {
             Ok(finished) => {
                 let led = self.finished(finished, entry, too_large);
                 self.held.handed_over();
@@ -389,7 +319,7 @@ impl<'a, S: Source> Leader<'a, S> {
                 let cutoff = finish.cutoff;
                 let answer = self.answer(entry.clone(), &entry, too_large);
                 let retry = (self.keys.clone(), entry, store, fence, cutoff);
-                finish_in_background(path, self.held, retry, Attempts::AfterFailure);
+                finish_in_background(ctx, self.held, retry, Attempts::AfterFailure);
                 Led::Done(answer)
             }
         }
@@ -402,8 +332,8 @@ impl<'a, S: Source> Leader<'a, S> {
             entry.status(),
             Status::Found | Status::NotFound | Status::TooLarge
         ) && entry.read_at() >= cutoff
-            && !self.path.loader.source().reads_copies()
-            && self.path.memory.unchanged_since(ticket)
+            && !self.ctx.loader.source().reads_copies()
+            && self.ctx.memory.unchanged_since(ticket)
     }
 
     /// What a finish that went through means for this flight.
@@ -426,7 +356,7 @@ impl<'a, S: Source> Leader<'a, S> {
         }
         // Read before a cutoff raised meanwhile (`invalidate --all`, a
         // truncate): stale already, as a change would have made it.
-        if published.read_at() < self.path.cutoff() {
+        if published.read_at() < self.ctx.cutoff() {
             metrics::fenced();
             tracing::debug!(%key, "the cutoff was raised during the load: fenced");
             return Led::Fenced(too_large.unwrap_or(entry));
@@ -444,25 +374,9 @@ impl<'a, S: Source> Leader<'a, S> {
             // A marker another leader stored (our lock had expired): we
             // hold the row, serve it.
             None if published.status() == Status::TooLarge => {
-                Answer::new(ours.clone(), self.path.loader.served_uncached(ours))
+                Answer::new(ours.clone(), self.ctx.loader.served_uncached(ours))
             }
             None => Answer::new(published, Served::Miss),
-        }
-    }
-}
-
-/// A lock attempt until Redis answers it (see [`claim`]).
-struct Attempt<'a, S: Source> {
-    path: &'a ReadPath<S>,
-    lock: &'a str,
-    token: &'a str,
-    answered: bool,
-}
-
-impl<S: Source> Drop for Attempt<'_, S> {
-    fn drop(&mut self) {
-        if !self.answered {
-            release_in_background(self.path, self.lock.to_owned(), self.token.to_owned());
         }
     }
 }
@@ -476,17 +390,17 @@ impl<S: Source> Drop for Attempt<'_, S> {
 /// nobody holds until LOCK_TTL and its waiters to WAIT_TIMEOUT: the
 /// [`Attempt`] guard then queues a token-checked release behind it.
 pub(super) async fn claim<S: Source>(
-    path: &ReadPath<S>,
+    ctx: &Context<S>,
     keys: &ItemKeys,
     token: &str,
 ) -> Result<Option<Before>, RedisError> {
     let mut attempt = Attempt {
-        path,
+        ctx,
         lock: &keys.lock,
         token,
         answered: false,
     };
-    let result = path.redis.claim(keys, token, path.settings.lock_ttl).await;
+    let result = ctx.redis.claim(keys, token, ctx.settings.lock_ttl).await;
     // An answer, or a refusal by the breaker: nothing went out.
     attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
     result
@@ -497,64 +411,23 @@ pub(super) async fn claim<S: Source>(
 /// an attempt left without an answer releases the claim behind it.
 /// `keys.lock` is the value key.
 pub(super) async fn claim_value<S: Source>(
-    path: &ReadPath<S>,
+    ctx: &Context<S>,
     keys: &ItemKeys,
     claim: &str,
 ) -> Result<ValueClaim, RedisError> {
     let mut attempt = Attempt {
-        path,
+        ctx,
         lock: &keys.value,
         token: claim,
         answered: false,
     };
-    let with_fence = path.loader.source().reads_copies();
-    let result = path
+    let with_fence = ctx.loader.source().reads_copies();
+    let result = ctx
         .redis
-        .claim_value(keys, claim, path.settings.lock_ttl, with_fence)
+        .claim_value(keys, claim, ctx.settings.lock_ttl, with_fence)
         .await;
     attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
     result
-}
-
-/// A request's first look at `key`, which claims it for its flight if
-/// nobody has stored it (see [`RedisCommands::look_up_or_claim`]), under
-/// the same guard as [`claim`]; `Some(won)` with the entry when claimed,
-/// its token put where a flight's election takes it (see `won.rs`).
-pub(super) async fn look_up_or_claim<S: Source>(
-    path: &Arc<ReadPath<S>>,
-    key: &S::Key,
-    keys: &ItemKeys,
-) -> Result<(Option<Entry>, Option<Box<Won<S>>>), RedisError> {
-    let mut won = Won::new(path, key, keys, lock_token());
-    let claim = claim_of(won.token());
-    let on_won: OnWon = {
-        let (claims, key, token) = (path.won.clone(), key.clone(), won.token().to_owned());
-        Box::new(move || claims.put(key, token))
-    };
-    let mut attempt = Attempt {
-        path,
-        lock: &keys.value,
-        token: &claim,
-        answered: false,
-    };
-    let result = path
-        .redis
-        .look_up_or_claim(keys, &claim, path.settings.lock_ttl, on_won)
-        .await;
-    attempt.answered = matches!(result, Ok(_) | Err(RedisError::CircuitOpen));
-    match result {
-        Ok(FirstLook::Claimed) => Ok((None, Some(Box::new(won)))),
-        Ok(FirstLook::Looked(entry)) => {
-            won.disarm();
-            Ok((entry, None))
-        }
-        Err(error) => {
-            if matches!(error, RedisError::CircuitOpen) {
-                won.disarm();
-            }
-            Err(error)
-        }
-    }
 }
 
 /// Where a finish in the background starts.
@@ -572,14 +445,14 @@ enum Attempts {
 /// finish that timed out may still have run: running it again is harmless
 /// (the fencing lets the same entry be stored and published twice).
 fn finish_in_background<S: Source>(
-    path: &ReadPath<S>,
+    ctx: &Context<S>,
     held: Held,
     (keys, entry, store, fence, cutoff): (ItemKeys, Entry, StoreFor, String, u64),
     attempts: Attempts,
 ) {
-    let redis = path.redis.clone();
-    let give_up = Instant::now() + path.settings.lock_ttl;
-    path.tasks.spawn(async move {
+    let redis = ctx.redis.clone();
+    let give_up = Instant::now() + ctx.settings.lock_ttl;
+    ctx.tasks.spawn(async move {
         let finish = Finish {
             keys: &keys,
             token: &held.token,
@@ -617,22 +490,5 @@ fn finish_in_background<S: Source>(
             }
         }
         held.handed_over();
-    });
-}
-
-/// Releases `lock` if it holds `token`, in the background, retried with
-/// backoff for up to LOCK_TTL; never refused by the breaker.
-fn release_in_background<S: Source>(path: &ReadPath<S>, lock: String, token: String) {
-    let redis = path.redis.clone();
-    let give_up = Instant::now() + path.settings.lock_ttl;
-    path.tasks.spawn(async move {
-        let release = OnLock {
-            lock: &lock,
-            token: &token,
-            op: LockOp::Release,
-        };
-        if let Ok(true) = with_backoff(give_up, || redis.eval(&release)).await {
-            tracing::info!(lock, "released a lock taken after its attempt gave up");
-        }
     });
 }

@@ -23,8 +23,9 @@ pub enum Served {
     /// Loaded from the source and not cached: the item is larger than
     /// MAX_ENTRY_BYTES (a too-large marker is cached in its place).
     TooLarge,
-    /// Not found, said by the existence guard without a load (see guard.rs).
-    Guard,
+    /// Not found, known to be missing by the existence guard: no load, and
+    /// nothing cached (see existence.rs).
+    KnownMissing,
 }
 
 /// A found or not-found entry and how it was served. Never a failure: a

@@ -20,6 +20,8 @@
 //! step on PostgreSQL is bounded, so a connection cut without a word costs
 //! a reconnect, not a hang.
 
+pub mod outbox;
+
 use std::{
     collections::HashMap,
     sync::Arc,
@@ -30,18 +32,15 @@ use futures::{stream, StreamExt};
 use sqlx::{postgres::PgListener, PgPool};
 use tokio::sync::watch;
 
-use super::{
-    outbox::{self, CatchUp, Change, Op, CHANNEL},
-    FeedState,
-};
+use super::FeedState;
 use crate::{
     config::DatabaseSettings,
-    flight::ReadPath,
+    read_path::ReadPath,
     redis::{ChangeKind, RedisError},
-    store,
-    store::PostStore,
+    store::{self, PostStore},
     telemetry::metrics,
 };
+use outbox::{CatchUp, Change, Op, CHANNEL};
 
 /// A catch-up also runs this often without a notification: a safety net
 /// for a notification lost, and the beat at which the listener's connection
@@ -75,7 +74,7 @@ pub(super) struct Follower {
 }
 
 /// What the feed keeps across reconnects.
-struct Progress {
+struct TriggerProgress {
     /// The snapshot of the last catch-up: every change visible in it has
     /// been applied, or is in `retry`.
     previous: Option<String>,
@@ -104,7 +103,7 @@ impl Follower {
 
     /// Follows the changes until aborted.
     pub async fn run(&self) {
-        let mut progress = Progress {
+        let mut progress = TriggerProgress {
             previous: None,
             retry: HashMap::new(),
             position_written: None,
@@ -138,7 +137,7 @@ impl Follower {
 
     async fn listen_and_follow(
         &self,
-        progress: &mut Progress,
+        progress: &mut TriggerProgress,
         backoff: &mut Duration,
     ) -> anyhow::Result<std::convert::Infallible> {
         let limit = self.step_limit();
@@ -206,7 +205,7 @@ impl Follower {
     /// it: a change stuck on a stalled node must not delay the new ones);
     /// its snapshot then becomes the previous one (what fails to apply is
     /// kept for a retry). Up once nothing waits.
-    async fn catch_up(&self, progress: &mut Progress) -> anyhow::Result<()> {
+    async fn catch_up(&self, progress: &mut TriggerProgress) -> anyhow::Result<()> {
         let limit = self.step_limit();
         let previous = progress
             .previous
@@ -250,7 +249,7 @@ impl Follower {
     /// Applies changes: the last of each post (a post changed twice needs
     /// one invalidation, of the later kind; one change of every post stands
     /// for all), a few at once. What fails goes to the retry list.
-    async fn apply(&self, changes: Vec<Change>, progress: &mut Progress) {
+    async fn apply(&self, changes: Vec<Change>, progress: &mut TriggerProgress) {
         let mut last: HashMap<Option<i64>, Change> = HashMap::new();
         for change in changes {
             last.insert(scope(&change), change);
@@ -301,7 +300,7 @@ impl Follower {
         Ok(())
     }
 
-    async fn write_position_if_due(&self, progress: &mut Progress) {
+    async fn write_position_if_due(&self, progress: &mut TriggerProgress) {
         if progress
             .position_written
             .is_some_and(|at| at.elapsed() < POSITION_EVERY)
@@ -318,7 +317,7 @@ impl Follower {
         }
     }
 
-    async fn prune_if_due(&self, progress: &mut Progress) {
+    async fn prune_if_due(&self, progress: &mut TriggerProgress) {
         if progress.pruned.is_some_and(|at| at.elapsed() < PRUNE_EVERY) {
             return;
         }
