@@ -1,7 +1,7 @@
 //! The checker's faults: a seeded schedule, one fault at a time, each
 //! logged as a window from its injection until the fleet was seen healthy
 //! again (every instance ready, its change feed up), with the staleness
-//! documented for reads while it is in force (README, Consistency).
+//! documented for reads while it is in force (docs/design/consistency.md).
 
 use std::{
     process::Command,
@@ -91,9 +91,9 @@ impl Kind {
     }
 
     /// The staleness documented for reads while the fault is in force
-    /// (README, Consistency): what the design bounds it by, with room for
-    /// a loaded machine. Past the fault's heal (and the convergence
-    /// allowance, 1 s), the normal bound holds again.
+    /// (docs/design/consistency.md): what the design bounds it by, with
+    /// room for a loaded machine. Past the fault's heal (and the
+    /// convergence allowance, 1 s), the normal bound holds again.
     pub fn bound(self, args: &Args) -> Duration {
         let ms = Duration::from_millis;
         match self {

@@ -9,6 +9,7 @@ mod batching;
 mod changes;
 mod cluster;
 mod connections;
+mod docs;
 mod faults;
 mod freshness;
 mod guarantees;

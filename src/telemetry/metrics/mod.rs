@@ -2,7 +2,7 @@
 //! recording function per event.
 //!
 //! Every name is listed in `names.rs`, with what it counts, so that the
-//! README, the dashboard and the tests name the same series. The recorder is global to the
+//! docs, the dashboard and the tests name the same series. The recorder is global to the
 //! process (one service per process in production; tests that assert exact
 //! counts run in a test binary of their own).
 
