@@ -23,7 +23,7 @@
 //! - [`store`] — where posts live: the PostgreSQL pools and the embedded
 //!   migrations (`pools.rs`), [`store::PostStore`] (the read path's source
 //!   of posts), loads from read replicas that have replayed each key's
-//!   last change (`replicas/`, its probe `replicas/probe.rs`, and after a
+//!   last change (`replicas.rs`, with their probe, and after a
 //!   change to every post `replica_floor.rs`), the primary's WAL position.
 //! - [`cache`] — Redis key names, the entry envelope, TTL jitter.
 //! - [`read_path`] — the protocol, generic over what it loads, behind one
@@ -50,11 +50,9 @@
 //! - [`cli`] — `seed` (streamed, with progress), `invalidate`, `inspect`.
 //! - `testkit` (feature `testkit`) — test support shared by tests and examples.
 //!
-//! The modules depend on each other without a cycle between top-level
-//! modules, and between files without one but those
-//! `load/code-shape.allowed` still lists (the read path's roles, the Redis
-//! side's batching; `load/code-shape --check` runs in CI and fails on any
-//! other): `config` names the types it parses into from the modules that
+//! The modules depend on each other without a cycle, between top-level
+//! modules or between files, a module and its children included
+//! (`load/code-shape --check` runs in CI and fails on any): `config` names the types it parses into from the modules that
 //! own them (the post id from `posts`, the strategy from `read_path`, the log
 //! format from `telemetry`), and `startup` turns settings into the read
 //! path's; `read_path` uses `redis`, never the other way round; `read_path`,

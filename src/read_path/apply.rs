@@ -70,15 +70,7 @@ pub async fn raise_cutoff(
     keys: &Keys,
     change: i64,
 ) -> Result<u64, RedisError> {
-    let (cutoff, applied) = (keys.cutoff(), keys.cutoffs_applied());
-    let raise = RaiseCutoff {
-        cutoff: &cutoff,
-        applied: &applied,
-        to: now_millis(),
-        change: Some(change),
-        remember: CUTOFFS_REMEMBERED,
-    };
-    redis.eval(&raise).await
+    raise(redis, keys, Some(change)).await
 }
 
 /// Applies `changes` (key, change, kind) in Redis, each key fenced whether
@@ -126,13 +118,24 @@ pub(super) async fn raise_cutoff_now(
     redis: &RedisCommands,
     keys: &Keys,
 ) -> Result<u64, RedisError> {
+    raise(redis, keys, None).await
+}
+
+/// Raises the fleet's cutoff to now, once for `change` if it names one
+/// (remembered for [`CUTOFFS_REMEMBERED`]; a raise that names none
+/// remembers nothing, and its `remember` is unused).
+async fn raise(redis: &RedisCommands, keys: &Keys, change: Option<i64>) -> Result<u64, RedisError> {
     let (cutoff, applied) = (keys.cutoff(), keys.cutoffs_applied());
     let raise = RaiseCutoff {
         cutoff: &cutoff,
         applied: &applied,
         to: now_millis(),
-        change: None,
-        remember: Duration::from_secs(1),
+        change,
+        remember: if change.is_some() {
+            CUTOFFS_REMEMBERED
+        } else {
+            Duration::from_secs(1)
+        },
     };
     redis.eval(&raise).await
 }

@@ -384,7 +384,7 @@ impl<S: Source> ReadPath<S> {
     /// decoder: every instance's memory tier forgets the item when it reads
     /// the change from the fleet's stream); false when it was applied
     /// already. `change` is the commit LSN: the key is fenced whether or not
-    /// anything is cached (see `store/replicas/mod.rs`).
+    /// anything is cached (see `store/replicas.rs`).
     pub async fn invalidate_in_redis(
         &self,
         key: &S::Key,

@@ -17,26 +17,36 @@ use std::{
     future::Future,
     mem,
     sync::{Arc, Mutex, PoisonError},
+    time::Duration,
 };
 
-use super::{commands::RedisCommands, error::RedisError, nodes::Node};
+use super::error::RedisError;
 
 /// Longest a queued command waits, in REDIS_TIMEOUTs (see the module's comment).
 pub(super) const QUEUED_LIMIT: u32 = 2;
 
 /// A kind of command that a node batches: a queued command with the sender
 /// of its reply.
+///
+/// Generic over where a batch goes and what sends it, so that batching
+/// knows nothing of nodes or commands: the kinds are the commands' own
+/// (`commands/batches.rs`).
 pub(super) trait Batched: Sized + Send + 'static {
+    /// What holds the kind's queue and serves the batch (a node).
+    type Node: Send + Sync + 'static;
+    /// What sends a batch (the commands, with their bounds).
+    type Sender: Clone + Send + Sync + 'static;
+
     /// Most commands in one batch.
     const MAX_BATCH: usize;
 
     /// The kind's queue on `node`.
-    fn queue(node: &Node) -> &Coalescer<Self>;
+    fn queue(node: &Self::Node) -> &Coalescer<Self>;
 
     /// Sends `batch` (all served by `node`) and answers each command.
     fn send(
-        commands: &RedisCommands,
-        node: &Arc<Node>,
+        sender: &Self::Sender,
+        node: &Arc<Self::Node>,
         batch: Vec<Self>,
     ) -> impl Future<Output = ()> + Send;
 }
@@ -80,8 +90,8 @@ impl<Q: Batched> Coalescer<Q> {
     /// and returns what it keeps.
     pub fn turn<'a, T>(
         &self,
-        commands: &'a RedisCommands,
-        node: &Arc<Node>,
+        commands: &'a Q::Sender,
+        node: &Arc<Q::Node>,
         queued: impl FnOnce() -> (Q, T),
     ) -> Turn<'a, Q, T> {
         let mut state = self.lock();
@@ -132,8 +142,8 @@ impl<Q: Batched> Coalescer<Q> {
 /// The turn of a node's commands of kind `Q`; dropping it hands the turn
 /// on (see the module's comment).
 pub(super) struct Baton<'a, Q: Batched> {
-    commands: &'a RedisCommands,
-    node: Arc<Node>,
+    commands: &'a Q::Sender,
+    node: Arc<Q::Node>,
     _kind: std::marker::PhantomData<fn(Q)>,
 }
 
@@ -179,11 +189,12 @@ pub(super) fn again(error: &RedisError) -> RedisError {
 
 /// A queued command's reply, waited for at most [`QUEUED_LIMIT`]
 /// REDIS_TIMEOUTs.
+/// `timeout` is REDIS_TIMEOUT.
 pub(super) async fn queued_reply<R>(
-    commands: &RedisCommands,
+    timeout: Duration,
     reply: tokio::sync::oneshot::Receiver<Result<R, RedisError>>,
 ) -> Result<R, RedisError> {
-    let limit = commands.timeout() * QUEUED_LIMIT;
+    let limit = timeout * QUEUED_LIMIT;
     match tokio::time::timeout(limit, reply).await {
         Ok(Ok(reply)) => reply,
         // The batch's task ended without answering (shutdown).
@@ -203,7 +214,7 @@ mod tests {
     use tokio::sync::oneshot;
 
     use super::*;
-    use crate::redis::queued::QueuedGet;
+    use crate::redis::{queued::QueuedGet, RedisCommands};
 
     fn commands() -> RedisCommands {
         let client = Builder::default_centralized().build().unwrap();
@@ -237,7 +248,7 @@ mod tests {
         // of its own (to a client never connected: it fails, but it is
         // answered, within the bound).
         drop(first);
-        let looked = queued_reply(&commands, answer).await;
+        let looked = queued_reply(commands.timeout(), answer).await;
         assert!(looked.is_err());
         // The turn is free again.
         tokio::time::timeout(Duration::from_secs(5), async {

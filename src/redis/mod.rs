@@ -1,6 +1,9 @@
 //! The Redis side of the read path and of the change feed: commands bounded
-//! by REDIS_TIMEOUT (`commands/`), routed per key to a node and its
-//! circuit breaker (`nodes.rs`, `breaker.rs`), the Lua scripts with their
+//! by REDIS_TIMEOUT (`commands/`: their replies, lookups, the change
+//! feed's, and how each batched kind goes out), routed per key to a node
+//! and its circuit breaker (`nodes.rs`, `breaker.rs`), batched per node
+//! (`coalesce.rs`, generic over nodes and commands, and the queued
+//! commands `queued.rs`), the Lua scripts with their
 //! typed calls and replies (`scripts/`), the shared subscriber
 //! (`subscriber.rs`), what a failure says of the server (`error.rs`), and
 //! the clients made from REDIS_URL (`connect.rs`).

@@ -1,7 +1,7 @@
 //! The store: where posts live. The PostgreSQL pools, database creation
 //! and the embedded migrations (`pools.rs`); [`PostStore`], the read path's
 //! source of posts (`posts.rs`); the read replicas loads may read
-//! (`replicas/`) and their probe (`replicas/probe.rs`), the floor their loads must
+//! (`replicas.rs`, with their probe), the floor their loads must
 //! include after a change to every post (`replica_floor.rs`), and the
 //! primary's WAL position (`wal.rs`).
 

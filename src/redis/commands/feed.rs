@@ -87,7 +87,7 @@ impl RedisCommands {
     /// a blocking read, which would hold up every command queued behind it
     /// on a shared connection.
     pub fn dedicated_client(&self) -> Client {
-        self.nodes.default_client().clone_new()
+        self.nodes().default_client().clone_new()
     }
 
     /// GET of a plain string key.

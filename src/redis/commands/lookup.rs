@@ -8,9 +8,9 @@ use bytes::Bytes;
 use fred::prelude::*;
 use tokio::sync::oneshot;
 
-use super::RedisCommands;
+use super::{replies::decoded, RedisCommands};
 use crate::{
-    cache::{is_claim, DecodeError, Entry},
+    cache::Entry,
     redis::{
         coalesce::{again, queued_reply, Turn},
         error::{guarded, RedisError},
@@ -25,7 +25,7 @@ impl RedisCommands {
     /// absent: the next store overwrites them. Batched naturally with the
     /// node's other lookups (see `coalesce.rs`).
     pub async fn lookup(&self, key: &str) -> Result<Option<Entry>, RedisError> {
-        let node = self.nodes.for_key(key);
+        let node = self.nodes().for_key(key);
         let turn = node.gets.turn(self, &node, || {
             let (reply, answer) = oneshot::channel();
             let key = key.to_owned();
@@ -37,7 +37,7 @@ impl RedisCommands {
                 drop(baton);
                 raw
             }
-            Turn::Queued(answer) => queued_reply(self, answer).await,
+            Turn::Queued(answer) => queued_reply(self.timeout(), answer).await,
         }?;
         Ok(decoded(key, raw))
     }
@@ -63,7 +63,7 @@ impl RedisCommands {
         }
         metrics::redis_call();
         let sent = Box::pin(async {
-            if self.sharded {
+            if self.sharded() {
                 // Sent at once, not as a fred pipeline (see `claim_values`).
                 let gets = names
                     .iter()
@@ -75,7 +75,7 @@ impl RedisCommands {
                     .await
             }
         });
-        match guarded(&node.breaker, self.timeout, sent).await {
+        match guarded(&node.breaker, self.timeout(), sent).await {
             Ok(raws) if raws.len() == names.len() => raws.into_iter().map(Ok).collect(),
             Ok(_) => names
                 .iter()
@@ -93,7 +93,7 @@ impl RedisCommands {
     pub async fn lookup_many(&self, keys: &[String]) -> Vec<Result<Option<Entry>, RedisError>> {
         let mut groups: Vec<(Arc<Node>, Vec<usize>)> = Vec::new();
         for (at, key) in keys.iter().enumerate() {
-            let node = self.nodes.for_key(key);
+            let node = self.nodes().for_key(key);
             match groups.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
                 Some((_, members)) => members.push(at),
                 None => groups.push((node, vec![at])),
@@ -115,23 +115,4 @@ impl RedisCommands {
             .map(|read| read.unwrap_or(Err(RedisError::Reply("mget"))))
             .collect()
     }
-}
-
-/// An entry read from `key`; bytes that are not one count as absent (a
-/// leader's claim too, without a word: it is one).
-pub(super) fn decoded(key: &str, raw: Option<Bytes>) -> Option<Entry> {
-    raw.filter(|raw| !is_claim(raw)).and_then(|raw| match Entry::decode(raw) {
-        Ok(entry) => Some(entry),
-        Err(error) => {
-            metrics::garbage("entry");
-            if let DecodeError::Version(_) = error {
-                // An instance of another layout wrote it (a rolling
-                // upgrade): expected, and replaced by the next store.
-                tracing::debug!(%error, key, "cache entry of another layout, treated as a miss");
-            } else {
-                tracing::warn!(%error, key, "undecodable cache entry, treated as a miss");
-            }
-            None
-        }
-    })
 }

@@ -2,14 +2,15 @@
 //! by the circuit breaker of the node that serves the key (`nodes.rs`);
 //! the scripts' calls (`scripts/`) go through [`RedisCommands::eval`];
 //! lookups of value keys in `lookup.rs`, the change feed's commands in
-//! `feed.rs`.
+//! `feed.rs`, what the commands answer in `replies.rs`, and how each kind
+//! of command a node batches goes out in `batches.rs`.
 
+mod batches;
 mod feed;
 mod lookup;
+mod replies;
 
 use std::{future::Future, sync::Arc, time::Duration};
-
-use bytes::Bytes;
 
 use fred::{
     prelude::*,
@@ -30,57 +31,8 @@ use crate::{
     cache::{is_claim, Entry, ItemKeys},
     telemetry::metrics,
 };
-use lookup::decoded;
-
-/// What PTTL says of a lock.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LockTtl {
-    /// No such key: released or expired.
-    Absent,
-    /// The key has no expiry (set from outside the protocol).
-    NoExpiry,
-    /// It expires after this long.
-    Expires(Duration),
-}
-
-/// What the leader sees before it reads: the stored entry, and the item's
-/// change fence (empty when none), which its finish must find unchanged.
-#[derive(Debug)]
-pub struct Before {
-    pub entry: Option<Entry>,
-    pub fence: String,
-}
-
-/// What a claim of an item's value key met (see
-/// [`RedisCommands::claim_value`]).
-#[derive(Debug, PartialEq)]
-pub enum ValueClaim {
-    /// The key was absent and holds our claim now; the change fence (empty
-    /// when none), read in the same round trip, which the finish must find
-    /// unchanged.
-    Won { fence: String },
-    /// Another leader's claim is there: wait for it.
-    Held,
-    /// Something else is stored there (an entry, a copy kept past its
-    /// freshness, bytes of another layout), given as read: nothing was
-    /// taken.
-    Stored(Bytes),
-}
-
-/// What a request's first look at an item found (see
-/// [`RedisCommands::look_up_or_claim`]).
-#[derive(Debug)]
-pub enum FirstLook {
-    /// Nothing was there: the item is claimed for this request's flight.
-    Claimed,
-    /// What the key holds, decoded as a lookup does (`None`: a leader's
-    /// claim, or bytes that are not an entry).
-    Looked(Option<Entry>),
-}
-
-/// Run where a won claim's reply is read, before any later reply of the
-/// node's value claims is handed out (see [`RedisCommands::look_up_or_claim`]).
-pub type OnWon = Box<dyn FnOnce() + Send>;
+use replies::decoded;
+pub use replies::{Before, FirstLook, LockTtl, OnWon, ValueClaim};
 
 /// The command clients plus the bound applied to each command.
 #[derive(Clone)]
@@ -108,7 +60,14 @@ impl RedisCommands {
         }
     }
 
-    /// REDIS_TIMEOUT.
+    /// Where each key's commands go (see `nodes.rs`).
+    fn nodes(&self) -> &Nodes {
+        &self.nodes
+    }
+
+    /// REDIS_TIMEOUT. The commands' fields are read through this and
+    /// [`RedisCommands::nodes`] by the files of this module (`lookup.rs`,
+    /// `feed.rs`), never directly.
     pub(super) fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -282,7 +241,7 @@ impl RedisCommands {
                     drop(baton);
                     claimed
                 }
-                Turn::Queued(answer) => queued_reply(self, answer).await,
+                Turn::Queued(answer) => queued_reply(self.timeout, answer).await,
             }
         }?;
         metrics::lock_election(claimed.is_some());
@@ -385,7 +344,7 @@ impl RedisCommands {
                     drop(baton);
                     claimed
                 }
-                Turn::Queued(answer) => Some(queued_reply(self, answer).await),
+                Turn::Queued(answer) => Some(queued_reply(self.timeout, answer).await),
             }
         };
         claimed.unwrap_or(Err(RedisError::Reply("claim")))
@@ -515,7 +474,7 @@ impl RedisCommands {
                 finished
             }
             Turn::Queued(answer) => {
-                let reply = queued_reply(self, answer).await?;
+                let reply = queued_reply(self.timeout, answer).await?;
                 finish.reply(reply).ok_or(RedisError::Reply("finish"))
             }
         }
