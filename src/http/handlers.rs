@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use axum::{
+    body::Body,
     extract::{rejection::PathRejection, FromRequestParts, Path, State},
     http::{
         header, request::Parts, HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode,
@@ -181,18 +182,17 @@ pub(super) fn respond(
     let found = entry.status() == Status::Found;
     // An answer is found or not found, never a failure (`Answer::new`).
     let mut response = if !found {
-        ApiError::PostNotFound.into_response()
+        with_room(ApiError::PostNotFound.into_response())
     } else if if_none_match(validators, entry) {
-        StatusCode::NOT_MODIFIED.into_response()
+        with_room(StatusCode::NOT_MODIFIED.into_response())
     } else {
-        (
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )],
-            entry.body(),
-        )
-            .into_response()
+        let mut response = Response::new(Body::from(entry.body()));
+        *response.headers_mut() = HeaderMap::with_capacity(HEADERS);
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
     };
     let headers = response.headers_mut();
     headers.insert(
@@ -224,6 +224,19 @@ pub(super) fn respond(
         };
         headers.insert(header::WARNING, HeaderValue::from_static(warning));
     }
+    response
+}
+
+/// Headers an answer carries at most: content type, X-Cache, Cache-Status,
+/// X-Cache-Tier or X-Cache-Bypass, Cache-Control, Age, ETag, Warning. The
+/// map is made this large at once: one that starts small (room for 6) and
+/// grows on the seventh insert reallocates and rehashes on every answer.
+const HEADERS: usize = 9;
+
+/// `response` with its headers moved into a map with room for [`HEADERS`].
+fn with_room(mut response: Response) -> Response {
+    let small = std::mem::replace(response.headers_mut(), HeaderMap::with_capacity(HEADERS));
+    response.headers_mut().extend(small);
     response
 }
 
