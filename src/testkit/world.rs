@@ -237,6 +237,16 @@ impl TestEnv {
         (proxy, url)
     }
 
+    /// An instance whose every connection to PostgreSQL goes through a
+    /// proxy the test can cut or stall, with `flags`.
+    pub async fn spawn_proxied(&self, flags: &[&str]) -> (TcpProxy, TestApp) {
+        let (proxy, url) = self.proxied_database().await;
+        let app = self
+            .spawn(&[&["--database-url", url.as_str()][..], flags].concat())
+            .await;
+        (proxy, app)
+    }
+
     /// Waits until a waiter listens on post `id`'s ready channel.
     pub async fn until_subscribed(&self, id: i64) {
         let channel = self.keys.channel(id);

@@ -286,16 +286,8 @@ async fn the_statement_timeout_ends_a_load_that_would_run_for_ever() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_postgres_cut_requests_get_503_fast_and_recover_without_a_restart() {
     let env = TestEnv::new(10).await;
-    let (proxy, url) = env.proxied_database().await;
-    let app = env
-        .spawn(&[
-            "--database-url",
-            &url,
-            "--db-acquire-timeout",
-            "300ms",
-            "--failure-ttl",
-            "0s",
-        ])
+    let (proxy, app) = env
+        .spawn_proxied(&["--db-acquire-timeout", "300ms", "--failure-ttl", "0s"])
         .await;
     assert_eq!(app.get("/posts/1").await.status, 200);
 
@@ -575,11 +567,8 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_the_database_stalled_a_storm_over_many_keys_is_served_from_their_copies() {
     let env = TestEnv::new(40).await;
-    let (proxy, url) = env.proxied_database().await;
-    let app = env
-        .spawn(&[
-            "--database-url",
-            &url,
+    let (proxy, app) = env
+        .spawn_proxied(&[
             "--cache-ttl",
             "300ms",
             "--ttl-jitter",

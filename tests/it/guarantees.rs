@@ -349,11 +349,8 @@ async fn a_finish_blocked_by_a_write_pause_is_retried_and_every_waiter_answered(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_load_on_a_connection_that_stops_answering_ends_at_load_timeout() {
     let env = TestEnv::new(10).await;
-    let (proxy, url) = env.proxied_database().await;
-    let app = env
-        .spawn(&[
-            "--database-url",
-            &url,
+    let (proxy, app) = env
+        .spawn_proxied(&[
             "--db-statement-timeout",
             "1s",
             "--load-timeout",

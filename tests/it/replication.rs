@@ -71,6 +71,25 @@ fn keep_reading(http: &postcache::testkit::Http, n: i64) -> tokio::task::JoinHan
     })
 }
 
+/// Retitles posts 1 to `n` to `round {r}`, `rounds` times 50 ms apart, as a
+/// plain SQL writer would, in a task of its own.
+fn keep_writing(env: &TestEnv, rounds: u32, n: i64) -> tokio::task::JoinHandle<()> {
+    let admin = env.admin.clone();
+    tokio::spawn(async move {
+        for round in 0..rounds {
+            for id in 1..=n {
+                sqlx::query("update posts set title = $1 where id = $2")
+                    .bind(format!("round {round}"))
+                    .bind(id)
+                    .execute(&admin)
+                    .await
+                    .unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+}
+
 /// Retitles posts `ids` once each, as a plain SQL writer would.
 async fn retitle_all(env: &TestEnv, ids: std::ops::RangeInclusive<i64>, title: &str) {
     for id in ids {
@@ -141,22 +160,7 @@ async fn the_decoder_killed_while_rows_change_loses_no_change() {
     let holder = held.iter().position(|h| *h == 1.0).unwrap();
     let readers: Vec<_> = fleet.iter().map(|p| keep_reading(&p.http, 30)).collect();
 
-    let writer = {
-        let admin = env.admin.clone();
-        tokio::spawn(async move {
-            for round in 0..60 {
-                for id in 1..=20i64 {
-                    sqlx::query("update posts set title = $1 where id = $2")
-                        .bind(format!("round {round}"))
-                        .bind(id)
-                        .execute(&admin)
-                        .await
-                        .unwrap();
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
+    let writer = keep_writing(&env, 60, 20);
     tokio::time::sleep(Duration::from_millis(700)).await;
     fleet[holder].signal("KILL");
     let killed = Instant::now();
@@ -222,22 +226,7 @@ async fn the_replication_connection_cut_without_the_slot_dropped_loses_no_change
     let gaps = r#"postcache_change_feed_gaps_total{why="slot_missing"}"#;
     let gaps_before = apps[0].http.metric(gaps).await;
     let readers: Vec<_> = apps.iter().map(|app| keep_reading(&app.http, 20)).collect();
-    let writer = {
-        let admin = env.admin.clone();
-        tokio::spawn(async move {
-            for round in 0..40 {
-                for id in 1..=10i64 {
-                    sqlx::query("update posts set title = $1 where id = $2")
-                        .bind(format!("round {round}"))
-                        .bind(id)
-                        .execute(&admin)
-                        .await
-                        .unwrap();
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
+    let writer = keep_writing(&env, 40, 10);
     for cut in 0..2 {
         tokio::time::sleep(Duration::from_millis(600)).await;
         let ended: Vec<bool> = sqlx::query_scalar(
@@ -497,22 +486,7 @@ async fn redis_restarted_while_rows_change_loses_no_change() {
     ready(&late).await;
     let apps = [decoder, late];
     let readers: Vec<_> = apps.iter().map(|app| keep_reading(&app.http, 20)).collect();
-    let writer = {
-        let admin = env.admin.clone();
-        tokio::spawn(async move {
-            for round in 0..30 {
-                for id in 1..=10i64 {
-                    sqlx::query("update posts set title = $1 where id = $2")
-                        .bind(format!("round {round}"))
-                        .bind(id)
-                        .execute(&admin)
-                        .await
-                        .unwrap();
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
+    let writer = keep_writing(&env, 30, 10);
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.cut();
     redis.kill();
