@@ -16,7 +16,7 @@
 //!   transaction to Redis (its commit LSN is the change's fence) and then
 //!   confirms it, so the database does the same work for one instance or a
 //!   hundred. Needs `wal_level = logical`.
-//! - `trigger` ([`trigger`], its outbox `trigger/outbox.rs`): statement triggers on `posts` append
+//! - `trigger` (`trigger/`, its outbox `trigger/outbox.rs`): statement triggers on `posts` append
 //!   every change to the outbox in the writer's own transaction, which
 //!   notifies `postcache_changes`; each instance LISTENs and catches up from
 //!   the outbox past the snapshot of its last catch-up, so nothing is missed
@@ -33,7 +33,7 @@
 
 pub mod replication;
 mod status;
-pub mod trigger;
+mod trigger;
 
 use std::{
     sync::{Arc, Mutex},
@@ -46,7 +46,7 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::task::AbortOnDropHandle;
 
-pub use replication::fanout;
+pub use replication::{fanout, pgoutput};
 pub use status::{FeedState, FeedStatus, Mode, Report};
 pub use trigger::outbox::{self, Change, Op};
 

@@ -123,7 +123,9 @@ impl ServeArgs {
         crate::read_path::fence_ttl(self.cache.lock_ttl, self.load_timeout())
     }
 
-    /// Checks the relations between settings that clap cannot express.
+    /// Checks the relations between settings that clap cannot express, but
+    /// for REPLICA_MAX_LAG against the change fences (`Application::build`
+    /// checks it, with the store).
     pub fn validate(&self) -> anyhow::Result<()> {
         let c = &self.cache;
         self.database.validate()?;
@@ -138,9 +140,9 @@ impl ServeArgs {
             at_most_a_year(name, d)?;
         }
         if !self.database_replica_urls.0.is_empty() {
-            // REPLICA_MAX_LAG against the change fence's lifetime: the
-            // store checks it (`store::check_replica_lag`), whose probe it
-            // depends on.
+            // REPLICA_MAX_LAG against the change fence's lifetime is not
+            // checked here but by `Application::build`, with the store's
+            // `check_replica_lag` (it depends on the store's probe).
             anyhow::ensure!(
                 !matches!(self.change_feed, super::ChangeFeed::Trigger | super::ChangeFeed::Off),
                 "DATABASE_REPLICA_URLS needs CHANGE_FEED=replication (or auto): only its fences say which change a replica must have replayed"

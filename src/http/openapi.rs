@@ -116,9 +116,10 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
                 "How it was served, in the words of RFC 9211: `hit` answered without a load \
                  (`detail`: `memory`, `redis`, `stale`, or `existence-guard` for a post known \
                  not to exist, told without a load and never cached), `fwd=miss` loaded from \
-                 PostgreSQL (`collapsed` by another request's load: `detail=local` in this \
-                 process, `detail=fleet` in another instance), `fwd=bypass` loaded without \
-                 the cache (Redis skipped, or `detail=too-large`).",
+                 PostgreSQL (`collapsed` when not by this request's own load: `detail=local` \
+                 it joined a flight of this process, `detail=fleet` its flight was answered \
+                 by another instance's load), `fwd=bypass` loaded without the cache (Redis \
+                 skipped, or `detail=too-large`).",
             ),
         ),
         (

@@ -33,10 +33,11 @@ pub fn header(served: Served) -> &'static str {
 /// standard's words. `hit` is an answer given without a load (`detail`
 /// says where from: the memory tier, Redis, a stale copy, or the existence
 /// guard, which knows the post cannot exist and caches nothing); `fwd=miss`
-/// is an answer loaded from PostgreSQL, `collapsed` when by another
-/// request's load (`detail`: of this process or of another instance);
-/// `fwd=bypass` is a load that skipped the cache. Static strings: a hit
-/// pays no formatting for it.
+/// is an answer loaded from PostgreSQL, `collapsed` when not by this
+/// request's own load: `detail=local`, it joined a flight of this process
+/// (whichever instance loaded for that flight); `detail=fleet`, its own
+/// flight was answered by another instance's load. `fwd=bypass` is a load
+/// that skipped the cache. Static strings: a hit pays no formatting for it.
 pub fn cache_status(served: Served) -> &'static str {
     match served {
         Served::Memory => "postcache; hit; detail=memory",

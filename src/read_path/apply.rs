@@ -28,7 +28,8 @@ use crate::{
 };
 
 /// Applies change `change` to the keys of item `id` (the read path's
-/// [`ReadPath::invalidate`], and `postcache invalidate`); false when it was
+/// [`ReadPath::invalidate`](super::ReadPath::invalidate), and `postcache
+/// invalidate`); false when it was
 /// applied already.
 pub async fn apply_change(
     redis: &RedisCommands,
@@ -43,7 +44,7 @@ pub async fn apply_change(
 }
 
 /// The tombstone a delete leaves, and the lifetimes a change writes with.
-pub(super) fn apply_with(s: &Settings) -> (Entry, ApplyFor) {
+fn apply_with(s: &Settings) -> (Entry, ApplyFor) {
     let negative = s.jitter.apply(s.negative_ttl);
     let tombstone = Entry::new(Status::NotFound, &[], negative, Duration::ZERO);
     let lifetimes = ApplyFor {

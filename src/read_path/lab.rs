@@ -13,10 +13,14 @@ use super::{
     context::Context,
     freshness::{judge, Verdict},
     local::LocalFlights,
+    refresh::Refreshes,
     settings::Strategy,
     source::{Since, Source},
 };
-use crate::cache::{now_millis, Status};
+use crate::{
+    cache::{now_millis, Status},
+    redis::RedisError,
+};
 
 /// A baseline of the load lab (see the module's comment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,11 +36,18 @@ pub(super) struct Lab<S: Source> {
     ctx: Arc<Context<S>>,
     /// `local`'s in-process flights (the product's are the read path's own).
     flights: LocalFlights<S::Key, Outcome>,
+    /// The read path's background refreshes: a memory hit of `local` may
+    /// refresh early, as the read path's own memory hits do.
+    refreshes: Arc<Refreshes<S>>,
 }
 
 impl<S: Source> Lab<S> {
     /// The reader of `strategy`, `None` for the product's strategies.
-    pub fn new(strategy: Strategy, ctx: &Arc<Context<S>>) -> Option<Self> {
+    pub fn new(
+        strategy: Strategy,
+        ctx: &Arc<Context<S>>,
+        refreshes: &Arc<Refreshes<S>>,
+    ) -> Option<Self> {
         let baseline = match strategy {
             Strategy::Pubsub | Strategy::Poll => return None,
             Strategy::None => Baseline::None,
@@ -47,6 +58,7 @@ impl<S: Source> Lab<S> {
             baseline,
             ctx: ctx.clone(),
             flights: LocalFlights::new(ctx.tasks.clone()),
+            refreshes: refreshes.clone(),
         })
     }
 
@@ -77,6 +89,7 @@ impl<S: Source> Lab<S> {
                     if let Verdict::Fresh(entry) =
                         judge(Some(entry), now, Duration::ZERO, ctx.cutoff())
                     {
+                        self.refreshes.maybe_early(ctx, &key, &entry, now);
                         return Answer::new(entry, Served::Memory);
                     }
                 }
@@ -106,19 +119,23 @@ impl<S: Source> Lab<S> {
     }
 
     /// A baseline's first GET: a fresh entry (no early refresh) or a backoff
-    /// copy is served; anything else is a miss, `Err(redis_up)`.
+    /// copy is served; anything else is a miss, `Err(redis_up)` (Redis not
+    /// known down: only an open breaker says it is).
     async fn look_up(&self, key: &S::Key) -> Result<Outcome, bool> {
         let ctx = &self.ctx;
-        let looked = ctx.redis.lookup(&ctx.keys.value(key)).await;
-        let redis_up = !matches!(looked, Err(crate::redis::RedisError::CircuitOpen));
-        let entry = match looked {
+        let now = now_millis();
+        let entry = match ctx.redis.lookup(&ctx.keys.value(key)).await {
             Ok(entry) => entry,
+            Err(error @ RedisError::CircuitOpen) => {
+                tracing::debug!(%error, "failing open");
+                return Err(false);
+            }
             Err(error) => {
-                tracing::debug!(%error, "baseline lookup failed");
-                return Err(redis_up);
+                tracing::warn!(%error, "redis lookup failed");
+                return Err(true);
             }
         };
-        match judge(entry, now_millis(), Duration::ZERO, ctx.cutoff()) {
+        match judge(entry, now, Duration::ZERO, ctx.cutoff()) {
             Verdict::Fresh(entry) => Ok(Answer::new(entry, Served::Hit)),
             Verdict::Backoff(entry) => Ok(Answer::new(entry, Served::Stale)),
             Verdict::StaleInGrace(_) | Verdict::Failed | Verdict::TooLarge | Verdict::Miss => {

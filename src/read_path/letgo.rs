@@ -31,7 +31,7 @@ impl<S: Source> Drop for Attempt<'_, S> {
 
 /// Lets go of `lock` if it holds `token`, publishing `retry` on `channel`
 /// so that its waiters elect again now, in the background, retried with
-/// backoff for up to LOCK_TTL (see [`Held`](super::leader)).
+/// backoff for up to LOCK_TTL (see `Held` in leader.rs).
 pub(super) fn abandon_in_background<S: Source>(
     ctx: &Context<S>,
     lock: String,

@@ -26,7 +26,7 @@
 //!
 //! `ReadPath` is the front door and the only type of this file; every
 //! other file is one role or one concept, and none of them sees the read
-//! path: each is handed the [`Context`] it needs (`context.rs`). The files:
+//! path: each is handed the `Context` it needs (`context.rs`). The files:
 //! `answer.rs` (what a read answers), `freshness.rs` (pure verdicts and the
 //! store policy), `local.rs` (in-process flights), `waiter.rs` (a flight's
 //! fleet-wide coordination, driving `machine.rs`, one flight's state
@@ -121,7 +121,8 @@ struct Looked {
 /// The read path of one process: its front door is [`ReadPath::read`]
 /// (and [`ReadPath::read_many`], [`ReadPath::memory_hit`]); the changes the
 /// feed applies come in through [`ReadPath::invalidate`] and its siblings.
-/// Its roles are handed its [`Context`], never the read path itself.
+/// Its roles are handed its `Context` (context.rs), never the read path
+/// itself.
 pub struct ReadPath<S: Source> {
     /// What the roles share (context.rs).
     ctx: Arc<Context<S>>,
@@ -129,7 +130,7 @@ pub struct ReadPath<S: Source> {
     lab: Option<Arc<Lab<S>>>,
     flights: LocalFlights<S::Key, Outcome>,
     /// Background refreshes running in this process (refresh.rs).
-    refreshes: Refreshes<S>,
+    refreshes: Arc<Refreshes<S>>,
     /// Reads in progress (every read not yet answered): lets tests and
     /// operators see how many requests a stampede holds.
     reads_in_progress: AtomicUsize,
@@ -171,12 +172,13 @@ impl<S: Source> ReadPath<S> {
         let ctx = Arc::new(Context::new(
             loader, keys, redis, subscriber, settings, memory,
         ));
-        let lab = Lab::new(ctx.settings.strategy, &ctx).map(Arc::new);
+        let refreshes = Arc::new(Refreshes::default());
+        let lab = Lab::new(ctx.settings.strategy, &ctx, &refreshes).map(Arc::new);
         Arc::new(Self {
             flights: LocalFlights::new(ctx.tasks.clone()),
             lab,
             ctx,
-            refreshes: Refreshes::default(),
+            refreshes,
             reads_in_progress: AtomicUsize::new(0),
             existence: existence::ExistenceSet::default(),
             warm: warm::Warm::default(),
@@ -508,7 +510,7 @@ impl<S: Source> ReadPath<S> {
     /// as the GET is answered.
     ///
     /// The first look claims the item if nobody has stored it (one command
-    /// for the miss and its election: see [`leader::look_up_or_claim`]),
+    /// for the miss and its election: see [`first_look::look_up_or_claim`]),
     /// except for an item this process has seen stored lately (a hit is
     /// likely, and plain lookups are batched into one `MGET`: warm.rs),
     /// where loads may read a replica (their leader reads the change fence

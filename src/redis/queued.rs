@@ -30,15 +30,15 @@ pub(super) struct QueuedClaim {
 }
 
 /// A queued claim of an absent value key (see
-/// [`RedisCommands::claim_value`]), and where its reply goes.
+/// [`RedisCommands::claim_value`](crate::redis::RedisCommands::claim_value)), and where its reply goes.
 pub(super) struct QueuedValueClaim {
     pub value: String,
-    /// The fence key, when read (see [`RedisCommands::claim_value`]).
+    /// The fence key, when read (see [`RedisCommands::claim_value`](crate::redis::RedisCommands::claim_value)).
     pub fence: Option<String>,
     pub claim: String,
     pub ttl: Duration,
     /// Run before the reply is sent, and before the later claims' (see
-    /// [`RedisCommands::look_up_or_claim`]), if it won and its caller waits.
+    /// [`RedisCommands::look_up_or_claim`](crate::redis::RedisCommands::look_up_or_claim)), if it won and its caller waits.
     pub on_won: Option<OnWon>,
     pub reply: oneshot::Sender<Result<ValueClaim, RedisError>>,
 }

@@ -1,5 +1,5 @@
 //! The store: posts read and written in PostgreSQL, on the primary and,
-//! for loads, on the read replicas (`replicas/`); the read path's
+//! for loads, on the read replicas (`replicas.rs`); the read path's
 //! [`Source`](crate::read_path::Source) of posts.
 
 use std::sync::Arc;
@@ -13,7 +13,7 @@ use crate::{
 };
 
 /// Reads and writes posts in PostgreSQL: the primary, and for loads the
-/// read replicas when there are (see `replicas/`).
+/// read replicas when there are (see `replicas.rs`).
 #[derive(Clone)]
 pub struct PostStore {
     pool: PgPool,

@@ -1,4 +1,4 @@
-//! The post: loads from PostgreSQL read replicas (DATABASE_REPLICA_URLS),
+//! The store: loads from PostgreSQL read replicas (DATABASE_REPLICA_URLS),
 //! never a stale set from their lag.
 //!
 //! The trap (Facebook's memcache paper, §5): a row changes on the primary,
@@ -18,8 +18,8 @@
 //!   one indexed lookup.
 //! - A key with no fence changed longer ago than the fence's lifetime; a
 //!   replica in the rotation has replayed everything older than
-//!   REPLICA_MAX_LAG + [`PROBE_FRESH`], which the settings keep below that
-//!   lifetime (refused at start otherwise), so any replica in the rotation
+//!   REPLICA_MAX_LAG + [`PROBE_FRESH`], which start keeps below that lifetime
+//!   ([`check_replica_lag`]: refused otherwise), so any replica in the rotation
 //!   will do.
 //! - A change to every post (a transaction past the feed's bound on rows,
 //!   TRUNCATE, a gap) raises the cutoff instead of fencing keys: every load

@@ -15,6 +15,7 @@ mod freshness;
 mod guarantees;
 mod guard;
 mod harness;
+mod lab;
 mod load_path;
 mod memory;
 mod not_serving;

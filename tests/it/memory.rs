@@ -36,9 +36,9 @@ async fn a_stampede_warms_every_instance_with_one_load() {
         .filter(|r| r.x_cache.as_deref() == Some("miss"))
         .count();
     assert_eq!(misses, 1);
-    // Cache-Status says the same in RFC 9211's words, and tells the
-    // requests served by their own instance's load from those served by
-    // another instance's.
+    // Cache-Status says the same in RFC 9211's words: `local` for the
+    // requests that joined a flight of their instance, `fleet` for the
+    // flights answered by another instance's load.
     let mut statuses = std::collections::BTreeMap::<_, usize>::new();
     for reply in &replies {
         let status = reply.cache_status().expect("a Cache-Status on every read");

@@ -31,7 +31,7 @@ pub struct Before {
 }
 
 /// What a claim of an item's value key met (see
-/// [`RedisCommands::claim_value`]).
+/// [`RedisCommands::claim_value`](crate::redis::RedisCommands::claim_value)).
 #[derive(Debug, PartialEq)]
 pub enum ValueClaim {
     /// The key was absent and holds our claim now; the change fence (empty
@@ -47,7 +47,7 @@ pub enum ValueClaim {
 }
 
 /// What a request's first look at an item found (see
-/// [`RedisCommands::look_up_or_claim`]).
+/// [`RedisCommands::look_up_or_claim`](crate::redis::RedisCommands::look_up_or_claim)).
 #[derive(Debug)]
 pub enum FirstLook {
     /// Nothing was there: the item is claimed for this request's flight.
@@ -58,12 +58,12 @@ pub enum FirstLook {
 }
 
 /// Run where a won claim's reply is read, before any later reply of the
-/// node's value claims is handed out (see [`RedisCommands::look_up_or_claim`]).
+/// node's value claims is handed out (see [`RedisCommands::look_up_or_claim`](crate::redis::RedisCommands::look_up_or_claim)).
 pub type OnWon = Box<dyn FnOnce() + Send>;
 
 /// An entry read from `key`; bytes that are not one count as absent (a
 /// leader's claim too, without a word: it is one).
-pub(in crate::redis) fn decoded(key: &str, raw: Option<Bytes>) -> Option<Entry> {
+pub(super) fn decoded(key: &str, raw: Option<Bytes>) -> Option<Entry> {
     raw.filter(|raw| !is_claim(raw)).and_then(|raw| match Entry::decode(raw) {
         Ok(entry) => Some(entry),
         Err(error) => {

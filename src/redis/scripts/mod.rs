@@ -6,7 +6,7 @@
 //! (parsed from what Redis returns), and a contract test that runs it on a
 //! real Redis through every reply it can give. The scripts never read
 //! KEYS or ARGV by position: a prologue made here from the same names the
-//! Rust side fills ([`layout!`]) gives them `K.value`, `A.token` and so on,
+//! Rust side fills (`layout!`, in `lua.rs`) gives them `K.value`, `A.token` and so on,
 //! so an argument cannot be read from the wrong place (`lua.rs`, what every
 //! script shares). `registry.rs` holds them, and `loading.rs` keeps them
 //! loaded on every connection.

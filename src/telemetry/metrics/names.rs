@@ -320,7 +320,7 @@ pub(super) fn describe() {
 }
 
 /// Buckets for request, load and wait durations: 0.5 ms to 10 s.
-pub(crate) const SECONDS_BUCKETS: &[f64] = &[
+pub(super) const SECONDS_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
