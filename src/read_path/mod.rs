@@ -3,22 +3,29 @@
 //! fail-safe). Generic over what it loads: it knows nothing of posts.
 //!
 //! ```text
-//! get(key) ── memory tier (memory.rs) ──fresh──► Memory hit (maybe an early refresh)
+//! read(key) ── memory tier (memory.rs) ──fresh──► Memory hit (maybe an early refresh)
 //!    │ not there
 //!    ▼
-//! GET value ── judge ──Fresh──► Hit (maybe an early refresh: refresh.rs)
-//!                            │ Backoff ─► Stale   StaleInGrace ─► Stale + one refresh
-//!                            │ Failed ──► 503 at once
-//!                            │ Miss               │ redis error or breaker open
-//!                            ▼                    ▼
+//! first look (first_look.rs): SET value <claim> NX GET PX, or a plain GET
+//!   for a key seen stored lately (warm.rs)
+//!    ── judge ──Fresh──► Hit (maybe an early refresh: refresh.rs)
+//!             │ Backoff ─► Stale   StaleInGrace ─► Stale + one refresh
+//!             │ Failed ──► 503 at once
+//!             │ Miss (claimed, or another's claim there)   │ redis error or breaker open
+//!             ▼                                            ▼
+//!        existence guard (existence.rs) ── cannot exist ──► 404
+//!             ▼
 //!        in-process flight (local.rs: one per key; joiners never touch Redis)
-//!                            │
+//!             │
 //!   waiter.rs (machine.rs's transitions), until WAIT_TIMEOUT:
-//!     claim: SET lock NX PX ──won──► leader.rs: the claim's value (someone may
-//!        │lost   (+ value, fence)    have just finished), load (batch.rs; the
-//!        ▼                           watchdog extends the lock), finish
-//!     SUBSCRIBE ready (once) ─► GET again ─► PTTL lock ─► wait for:
-//!        message ─► answer                 lock expiry ─► loop (maybe lead)
+//!     elect: the claim won at the first look, else SET value <claim> NX
+//!        │   (a copy kept past freshness: SET lock NX PX, with the fence)
+//!        │──won──► leader.rs: double-check, load (batch/; the watchdog
+//!        │lost     extends the claim), finish (after answering, where the
+//!        │         row read may be answered at once)
+//!        ▼
+//!     SUBSCRIBE ready (once) ─► GET again ─► PTTL claim ─► wait for:
+//!        message ─► answer                 claim expiry ─► loop (maybe lead)
 //! ```
 //!
 //! Every Redis failure fails open: the flight loads straight from the source
@@ -39,7 +46,8 @@
 //! `load.rs` (loads from the source), `batch/` (loads queued while
 //! statements run share the next one), `progress.rs` (busy told from a
 //! database that stopped answering), `memory.rs` (the memory tier and its
-//! fencing against evictions), `existence.rs` (the existence guard: the set of the items that exist),
+//! fencing against evictions), `existence.rs` (the existence guard: the
+//! set of the items that exist),
 //! `apply.rs` (changes applied to the cache: fences, tombstones, the
 //! cutoff), `panics.rs` (a flight that panics answers 503, logged once
 //! with its key), `settings.rs` (CACHE_STRATEGY among them), `source.rs`
