@@ -14,18 +14,10 @@
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use postcache::testkit::{TestApp, TestEnv};
+use postcache::testkit::{numeric_arg, TestApp, TestEnv};
 
 /// How long each load takes during the run.
 const SLOW_LOAD: Duration = Duration::from_millis(50);
-
-fn arg(name: &str, default: u64) -> u64 {
-    let argv: Vec<String> = std::env::args().collect();
-    argv.iter()
-        .position(|a| a == name)
-        .and_then(|i| argv.get(i + 1))
-        .map_or(default, |v| v.parse().expect("a number"))
-}
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
@@ -33,8 +25,8 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
-    let seconds = arg("--seconds", 30);
-    let rate = arg("--rate", 400);
+    let seconds = numeric_arg("--seconds", 30);
+    let rate = numeric_arg("--rate", 400);
     let env = TestEnv::new(10).await;
     env.slow_loads(SLOW_LOAD).await;
     let configs: [(&str, &[&str]); 3] = [

@@ -14,9 +14,10 @@
 //!   the bounds), the state every handler reaches, routes, handlers
 //!   (`http/many.rs`: `GET /posts?ids=`), the one HTTP error type, how an answer
 //!   was served as headers (`served.rs`: X-Cache, X-Cache-Tier,
-//!   Cache-Status), the OpenAPI document generated with the routes, and
-//!   the server of connections (header and idle deadlines, the connection
-//!   cap).
+//!   Cache-Status), reads that ask for a position (`position.rs`:
+//!   PostCache-Min-LSN, PostCache-Max-Staleness, PostCache-LSN), the
+//!   OpenAPI document generated with the routes, and the server of
+//!   connections (header and idle deadlines, the connection cap).
 //! - [`posts`] — the post: its id (parsed wherever one arrives), its row
 //!   and JSON, and every `timestamptz` PostgreSQL holds (`infinity`, BC
 //!   years) as JSON.

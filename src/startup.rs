@@ -134,7 +134,7 @@ impl Application {
             None => PostStore::new(pool.clone()),
         };
         let read_path = ReadPath::new(
-            store,
+            store.clone(),
             Keys::new(c.key_prefix.clone(), "post"),
             commands,
             Subscriber::start(subscriber.clone(), c.redis_timeout),
@@ -177,6 +177,8 @@ impl Application {
             feed: feed.status(),
             caching,
             replicas: replicas.clone(),
+            store,
+            min_lsn_wait: c.min_lsn_wait,
         });
         let limits = Limits {
             max_in_flight: args.max_in_flight,

@@ -96,6 +96,13 @@ pub struct Args {
     /// Another setting of the instances, `NAME=value` (repeatable).
     #[arg(long = "set")]
     pub set: Vec<String>,
+    /// Read your writes: half the single reads carry a position
+    /// (PostCache-Min-LSN), the latest a writer read after its COMMIT or
+    /// the latest of the versions the reader saw, and each write is read
+    /// at once on an instance with its position; a read older than a
+    /// version at or before its position is a violation.
+    #[arg(long)]
+    pub read_your_writes: bool,
     /// A deliberate defect: the decoder loses one change in N.
     #[arg(long)]
     pub lose_changes: Option<u64>,
@@ -192,6 +199,9 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let stop = tokio_util::sync::CancellationToken::new();
     let deadline = Duration::from_secs(args.seconds);
     let write_log = Arc::new(writers::Tally::default());
+    let ryw = args
+        .read_your_writes
+        .then(|| readers::Ryw::new(fleet.targets(), history.clone()));
     let writer_tasks: Vec<_> = (0..args.writers)
         .map(|w| {
             let writer = writers::Writer::new(
@@ -203,6 +213,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
                 clock,
                 StdRng::seed_from_u64(seed ^ (0x5772_6974 + w as u64)),
                 Duration::from_millis(args.write_pause_ms),
+                ryw.clone(),
             );
             tokio::spawn(writer.run(stop.clone()))
         })
@@ -225,6 +236,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
                 clock,
                 StdRng::seed_from_u64(seed ^ (0x5265_6164 + r as u64)),
                 args.reads_per_second as f64 / args.readers as f64,
+                ryw.clone(),
             );
             tokio::spawn(reader.run(stop.clone()))
         })
@@ -258,7 +270,22 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let healthy = fleet.until_healthy(Duration::from_secs(30)).await.is_ok();
     let convergence = readers::converge(&fleet, &history, clock, Duration::from_secs(30)).await;
 
+    if let Some(ryw) = &ryw {
+        errors.merge(std::mem::take(&mut *ryw.errors.lock().unwrap()));
+    }
+    let position_reads: Vec<history::PositionRead> = ryw
+        .as_ref()
+        .map(|ryw| std::mem::take(&mut *ryw.reads.lock().unwrap()))
+        .unwrap_or_default();
+    // The writers' position reads are judged as reads too.
+    reads.extend(
+        position_reads
+            .iter()
+            .filter(|p| p.by_writer)
+            .map(|p| p.read),
+    );
     let history = history.lock().unwrap();
+    let unmet = history::check_positions(&history, &position_reads);
     let bounds = Bounds {
         normal: args.bound,
         converge: args.converge,
@@ -277,6 +304,10 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         convergence,
         healthy,
         logs: fleet.log_dir(),
+        positions: args.read_your_writes.then_some(report::Positions {
+            reads: &position_reads,
+            unmet: &unmet,
+        }),
     };
     let text = report.render();
     println!("{text}");

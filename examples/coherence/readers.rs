@@ -6,14 +6,20 @@
 
 use std::{
     collections::BTreeMap,
-    sync::{atomic::Ordering, Mutex},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
     time::{Duration, Instant},
 };
 
 use futures::{stream, StreamExt};
-use postcache::testkit::{
-    history::{Garble, History, Read, Seen, Served},
-    Zipf,
+use postcache::{
+    http::position::format_lsn,
+    testkit::{
+        history::{Garble, History, PositionRead, Read, Seen, Served},
+        Zipf,
+    },
 };
 use rand::{rngs::StdRng, Rng};
 use tokio_util::sync::CancellationToken;
@@ -67,6 +73,67 @@ fn seen(post: i64, json: &serde_json::Value) -> Seen {
     Seen::Found(seq)
 }
 
+/// `--read-your-writes`: what readers and writers share to read with
+/// positions, and the position reads made.
+#[derive(Clone)]
+pub struct Ryw {
+    pub targets: Vec<Target>,
+    /// The latest position a writer read after its COMMIT.
+    pub latest: Arc<AtomicU64>,
+    pub history: Arc<Mutex<History>>,
+    pub reads: Arc<Mutex<Vec<PositionRead>>>,
+    pub errors: Arc<Mutex<Errors>>,
+}
+
+impl Ryw {
+    pub fn new(targets: Vec<Target>, history: Arc<Mutex<History>>) -> Self {
+        Self {
+            targets,
+            latest: Arc::default(),
+            history,
+            reads: Arc::default(),
+            errors: Arc::default(),
+        }
+    }
+
+    pub fn pick(&self, rng: &mut StdRng) -> Target {
+        self.targets[rng.random_range(0..self.targets.len())].clone()
+    }
+
+    /// Keeps a position read (and the errors met on the way).
+    pub fn record(
+        &self,
+        read: Option<(Read, bool)>,
+        min_lsn: u64,
+        by_writer: bool,
+        errors: Errors,
+    ) {
+        self.errors.lock().unwrap().merge(errors);
+        if let Some((read, past)) = read {
+            self.reads.lock().unwrap().push(PositionRead {
+                read,
+                min_lsn,
+                by_writer,
+                past,
+            });
+        }
+    }
+
+    /// The position of the version `seen` of `post`, once its writer read
+    /// it (0: not known yet, or a 404).
+    fn position_of(&self, post: i64, seen: Seen) -> u64 {
+        let Seen::Found(seq) = seen else {
+            return 0;
+        };
+        let history = self.history.lock().unwrap();
+        history
+            .versions(post)
+            .iter()
+            .find(|v| v.seq == seq)
+            .map_or(0, |v| v.lsn)
+    }
+}
+
 pub struct Reader {
     targets: Vec<Target>,
     zipf: Zipf,
@@ -74,6 +141,12 @@ pub struct Reader {
     rng: StdRng,
     /// Between two reads of this reader.
     every: Duration,
+    /// `--read-your-writes`: half the single reads carry a position, the
+    /// latest written (as if this client had just written) or the latest
+    /// of the versions this reader has seen, half and half.
+    ryw: Option<Ryw>,
+    /// The latest position of a version this reader has seen.
+    session: u64,
 }
 
 impl Reader {
@@ -84,6 +157,7 @@ impl Reader {
         clock: Clock,
         rng: StdRng,
         per_second: f64,
+        ryw: Option<Ryw>,
     ) -> Self {
         Self {
             targets,
@@ -91,6 +165,8 @@ impl Reader {
             clock,
             rng,
             every: Duration::from_secs_f64(1.0 / per_second.max(0.1)),
+            ryw,
+            session: 0,
         }
     }
 
@@ -113,6 +189,20 @@ impl Reader {
                 ids.sort_unstable();
                 ids.dedup();
                 read_batch(target, &ids, self.clock, &mut reads, &mut errors).await;
+            } else if let Some(ryw) = self.ryw.clone().filter(|_| self.rng.random_bool(0.5)) {
+                let id = self.zipf.sample(&mut self.rng);
+                let min_lsn = if self.rng.random_bool(0.5) {
+                    ryw.latest.load(Ordering::SeqCst)
+                } else {
+                    self.session
+                };
+                let mut met = Errors::default();
+                let read = read_one_at(target, id, Some(min_lsn), self.clock, &mut met).await;
+                if let Some((read, _)) = &read {
+                    reads.push(*read);
+                    self.session = self.session.max(ryw.position_of(id, read.seen));
+                }
+                ryw.record(read, min_lsn, false, met);
             } else {
                 let id = self.zipf.sample(&mut self.rng);
                 if let Some(read) = read_one(target, id, self.clock, &mut errors).await {
@@ -133,14 +223,28 @@ async fn get(
     clock: Clock,
     errors: &mut Errors,
 ) -> Option<(u16, Served, bytes::Bytes, u16, Duration, Duration)> {
+    let (status, served, bytes, incarnation, began, ended, _) =
+        get_with(target, path, None, clock, errors).await?;
+    Some((status, served, bytes, incarnation, began, ended))
+}
+
+/// As [`get`], asking for every commit up to `min_lsn` when given; also
+/// says whether the answer went past the cache.
+#[allow(clippy::type_complexity)]
+async fn get_with(
+    target: &Target,
+    path: &str,
+    min_lsn: Option<u64>,
+    clock: Clock,
+    errors: &mut Errors,
+) -> Option<(u16, Served, bytes::Bytes, u16, Duration, Duration, bool)> {
     let incarnation = target.incarnation.load(Ordering::SeqCst);
     let began = clock.now();
-    let response = match target
-        .client
-        .get(format!("{}{path}", target.base))
-        .send()
-        .await
-    {
+    let mut request = target.client.get(format!("{}{path}", target.base));
+    if let Some(lsn) = min_lsn {
+        request = request.header("PostCache-Min-LSN", format_lsn(lsn));
+    }
+    let response = match request.send().await {
         Ok(response) => response,
         Err(error) => {
             errors.count(if error.is_timeout() {
@@ -163,6 +267,7 @@ async fn get(
         header("x-cache").as_deref(),
         header("x-cache-tier").as_deref(),
     );
+    let past = header("cache-status").is_some_and(|s| s.ends_with("detail=position"));
     let Ok(bytes) = response.bytes().await else {
         errors.count("answer cut");
         return None;
@@ -172,12 +277,33 @@ async fn get(
         errors.count("instance restarted during the read");
         return None;
     }
-    Some((status, served, bytes, incarnation, began, ended))
+    if status == 400 && min_lsn.is_some() {
+        errors.count(format!(
+            "400 for a position: {}",
+            String::from_utf8_lossy(&bytes)
+        ));
+        return None;
+    }
+    Some((status, served, bytes, incarnation, began, ended, past))
 }
 
 async fn read_one(target: &Target, id: i64, clock: Clock, errors: &mut Errors) -> Option<Read> {
-    let (status, served, bytes, incarnation, began, ended) =
-        get(target, &format!("/posts/{id}"), clock, errors).await?;
+    read_one_at(target, id, None, clock, errors)
+        .await
+        .map(|(read, _)| read)
+}
+
+/// Reads post `id` asking for every commit up to `min_lsn` (read your
+/// writes): the read, and whether it went past the cache.
+pub async fn read_one_at(
+    target: &Target,
+    id: i64,
+    min_lsn: Option<u64>,
+    clock: Clock,
+    errors: &mut Errors,
+) -> Option<(Read, bool)> {
+    let (status, served, bytes, incarnation, began, ended, past) =
+        get_with(target, &format!("/posts/{id}"), min_lsn, clock, errors).await?;
     let seen = match status {
         200 => match serde_json::from_slice(&bytes) {
             Ok(json) => seen(id, &json),
@@ -189,16 +315,19 @@ async fn read_one(target: &Target, id: i64, clock: Clock, errors: &mut Errors) -
             return None;
         }
     };
-    Some(Read {
-        post: id,
-        instance: target.index,
-        incarnation,
-        began,
-        ended,
-        seen,
-        served,
-        batch: false,
-    })
+    Some((
+        Read {
+            post: id,
+            instance: target.index,
+            incarnation,
+            began,
+            ended,
+            seen,
+            served,
+            batch: false,
+        },
+        past,
+    ))
 }
 
 async fn read_batch(

@@ -4,7 +4,7 @@
 use std::{collections::BTreeMap, fmt::Write as _, path::PathBuf, time::Duration};
 
 use postcache::testkit::{
-    history::{explain, History, Problem, Read, Verdict, Window},
+    history::{explain, History, PositionRead, Problem, Read, Unmet, Verdict, Window},
     quantile,
 };
 
@@ -23,6 +23,14 @@ pub struct Report<'a> {
     pub convergence: Convergence,
     pub healthy: bool,
     pub logs: PathBuf,
+    /// `--read-your-writes`: the reads that carried a position, and those
+    /// that returned a version older than one they were owed.
+    pub positions: Option<Positions<'a>>,
+}
+
+pub struct Positions<'a> {
+    pub reads: &'a [PositionRead],
+    pub unmet: &'a [Unmet],
 }
 
 fn ms(d: Duration) -> String {
@@ -72,6 +80,17 @@ impl Report<'_> {
             )),
             None => why.push("the fleet did not converge within 30 s of the last write".into()),
         }
+        if let Some(positions) = &self.positions {
+            if positions.reads.is_empty() {
+                why.push("no read carried a position".to_owned());
+            }
+            if !positions.unmet.is_empty() {
+                why.push(format!(
+                    "{} reads with a position returned a version older than one committed at or before it",
+                    positions.unmet.len()
+                ));
+            }
+        }
         for fault in self.unhealed {
             why.push(format!("not healed: {fault}"));
         }
@@ -101,7 +120,82 @@ impl Report<'_> {
         for s in &a.set {
             let _ = write!(c, " --set {s}");
         }
+        if a.read_your_writes {
+            c.push_str(" --read-your-writes");
+        }
         c
+    }
+
+    /// The read-your-writes section: position reads, how they were
+    /// answered, their latency beside plain reads', and what was unmet.
+    fn render_positions(&self, w: &mut String, positions: &Positions) {
+        let _ = writeln!(w, "\n## Read your writes\n");
+        let reads = positions.reads;
+        let latency = |of: &mut dyn Iterator<Item = &Read>| {
+            let mut took: Vec<Duration> = of.map(|r| r.ended.saturating_sub(r.began)).collect();
+            took.sort_unstable();
+            took
+        };
+        let _ = writeln!(
+            w,
+            "| reads with a position | sent by | answered from the cache | past the cache | older than a version at or before the position | latency p50 | p99 |"
+        );
+        let _ = writeln!(w, "|---|---|---|---|---|---|---|");
+        for (by_writer, who) in [
+            (true, "writers, at once after their write"),
+            (false, "readers"),
+        ] {
+            let of: Vec<&PositionRead> =
+                reads.iter().filter(|p| p.by_writer == by_writer).collect();
+            let past = of.iter().filter(|p| p.past).count();
+            let unmet = positions
+                .unmet
+                .iter()
+                .filter(|u| reads[u.read].by_writer == by_writer)
+                .count();
+            let took = latency(&mut of.iter().map(|p| &p.read));
+            let _ = writeln!(
+                w,
+                "| {} | {who} | {} | {past} | {unmet} | {} | {} |",
+                of.len(),
+                of.len() - past,
+                ms(quantile(&took, 0.5)),
+                ms(quantile(&took, 0.99)),
+            );
+        }
+        // Plain single reads served from the memory tier, for the latency
+        // a position adds; and position reads served from it.
+        let plain = latency(
+            &mut self
+                .reads
+                .iter()
+                .filter(|r| !r.batch && r.served == postcache::testkit::history::Served::Memory),
+        );
+        let _ = writeln!(
+            w,
+            "\nAll single reads served from the memory tier (with and without a position): latency p50 {}, p99 {}, over {} reads.",
+            ms(quantile(&plain, 0.5)),
+            ms(quantile(&plain, 0.99)),
+            plain.len()
+        );
+        for unmet in positions.unmet.iter().take(self.args.explain) {
+            let p = &reads[unmet.read];
+            let r = &p.read;
+            let _ = writeln!(
+                w,
+                "- post {} at position {:X}/{:X}, read {}–{} on instance {}: saw {:?}, owed version {} ({}; {})",
+                r.post,
+                p.min_lsn >> 32,
+                p.min_lsn & 0xFFFF_FFFF,
+                ms(r.began),
+                ms(r.ended),
+                r.instance,
+                r.seen,
+                unmet.owed,
+                r.served.as_str(),
+                if p.past { "past the cache" } else { "from the cache" },
+            );
+        }
     }
 
     pub fn render(&self) -> String {
@@ -174,6 +268,10 @@ impl Report<'_> {
         }
         for fault in self.unhealed {
             let _ = writeln!(w, "- not healed: {fault}");
+        }
+
+        if let Some(positions) = &self.positions {
+            self.render_positions(w, positions);
         }
 
         let _ = writeln!(w, "\n## Outside fault windows\n");

@@ -12,7 +12,7 @@
 
 use std::{
     collections::BTreeMap,
-    sync::{Arc, Mutex},
+    sync::{atomic::Ordering, Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -25,7 +25,11 @@ use rand::{rngs::StdRng, Rng};
 use sqlx::{Connection, PgConnection};
 use tokio_util::sync::CancellationToken;
 
-use crate::{fleet::Fleet, Clock};
+use crate::{
+    fleet::Fleet,
+    readers::{read_one_at, Errors, Ryw},
+    Clock,
+};
 
 /// Longest the checker tries to settle a COMMIT whose answer was lost.
 const SETTLE_LIMIT: Duration = Duration::from_secs(120);
@@ -85,7 +89,7 @@ impl Posts {
         let committed = clock.now();
         let mut history = history.lock().unwrap();
         for change in &rows {
-            history.commit(change.post, change.version(began, committed));
+            history.commit(change.post, change.version(began, committed, 0));
         }
         Ok(Self {
             n,
@@ -111,12 +115,13 @@ struct Change {
 }
 
 impl Change {
-    fn version(&self, began: Duration, committed: Duration) -> Version {
+    fn version(&self, began: Duration, committed: Duration, lsn: u64) -> Version {
         Version {
             seq: self.seq,
             exists: self.exists,
             began,
             committed,
+            lsn,
         }
     }
 }
@@ -181,6 +186,8 @@ pub struct Writer {
     zipf: Zipf,
     pause: Duration,
     conn: Option<PgConnection>,
+    /// `--read-your-writes`: each write is read at once with its position.
+    ryw: Option<Ryw>,
 }
 
 impl Writer {
@@ -194,6 +201,7 @@ impl Writer {
         clock: Clock,
         rng: StdRng,
         pause: Duration,
+        ryw: Option<Ryw>,
     ) -> Self {
         let zipf = Zipf::new(posts.n as usize, 1.0);
         Self {
@@ -207,6 +215,7 @@ impl Writer {
             zipf,
             pause,
             conn: None,
+            ryw,
         }
     }
 
@@ -260,14 +269,26 @@ impl Writer {
         let states: Vec<(i64, PostState)> =
             picked.iter().zip(&guards).map(|(p, g)| (*p, **g)).collect();
         let plan = self.plan(roll, &states);
-        let Some(after) = self.run_plan(&plan, stop).await? else {
+        let Some((after, lsn)) = self.run_plan(&plan, stop).await? else {
             return Ok(());
         };
-        for change in after {
+        for change in &after {
             let i = picked.iter().position(|p| *p == change.post);
             let guard = &mut guards[i.expect("a post picked")];
             guard.seq = change.seq;
             guard.exists = change.exists;
+        }
+        drop(guards);
+        drop(_writing);
+        // Read your writes: one post written, read at once on an instance
+        // with the write's position (the posts are let go first: the read
+        // may wait for the feed, and other writers must not).
+        if let (Some(ryw), true) = (&self.ryw, lsn != 0) {
+            let post = after[self.rng.random_range(0..after.len())].post;
+            let target = ryw.pick(&mut self.rng);
+            let mut errors = Errors::default();
+            let read = read_one_at(&target, post, Some(lsn), self.clock, &mut errors).await;
+            ryw.record(read, lsn, true, errors);
         }
         Ok(())
     }
@@ -395,12 +416,13 @@ impl Writer {
     }
 
     /// Runs a plan as one transaction: what it left of each post when it
-    /// committed (versions recorded), `None` when it did not.
+    /// committed (versions recorded), and the position read after its
+    /// COMMIT returned (0: not known); `None` when it did not commit.
     async fn run_plan(
         &mut self,
         plan: &Plan,
         stop: &CancellationToken,
-    ) -> anyhow::Result<Option<Vec<Change>>> {
+    ) -> anyhow::Result<Option<(Vec<Change>, u64)>> {
         if plan.after.is_empty() {
             return Ok(None);
         }
@@ -410,8 +432,13 @@ impl Writer {
         };
         let began = clock.now();
         let done = transaction(conn, &plan.statements).await;
+        let mut lsn = 0;
         let committed = match done {
-            Ok(()) => Some(clock.now()),
+            Ok(()) => {
+                let committed = clock.now();
+                lsn = position_now(conn).await;
+                Some(committed)
+            }
             Err(error) => {
                 tracing::debug!(%error, writer = self.name, "a write failed; settling it");
                 self.conn = None;
@@ -425,9 +452,13 @@ impl Writer {
         };
         let mut history = self.history.lock().unwrap();
         for change in &plan.after {
-            history.commit(change.post, change.version(began, committed));
+            history.commit(change.post, change.version(began, committed, lsn));
         }
-        Ok(Some(plan.after.clone()))
+        drop(history);
+        if let Some(ryw) = &self.ryw {
+            ryw.latest.fetch_max(lsn, Ordering::SeqCst);
+        }
+        Ok(Some((plan.after.clone(), lsn)))
     }
 
     /// The writer's connection, made again after a failure (while
@@ -644,8 +675,13 @@ pub async fn reseed_now_and_then(
                 Statement::Copy(after.iter().map(|c| (c.post, c.seq)).collect())
             };
             let began = clock.now();
+            let mut lsn = 0;
             let committed = match transaction(&mut conn, &[statement]).await {
-                Ok(()) => Some(clock.now()),
+                Ok(()) => {
+                    let committed = clock.now();
+                    lsn = position_now(&mut conn).await;
+                    Some(committed)
+                }
                 Err(_) => {
                     let settled = settle(&fleet, NAME, &after, clock).await?;
                     conn = connect_patiently(&fleet, NAME).await?;
@@ -656,7 +692,7 @@ pub async fn reseed_now_and_then(
             if let Some(committed) = committed {
                 let mut history = history.lock().unwrap();
                 for change in &after {
-                    history.commit(change.post, change.version(began, committed));
+                    history.commit(change.post, change.version(began, committed, lsn));
                     let guard = &mut guards[change.post as usize - 1];
                     guard.seq = change.seq;
                     guard.exists = change.exists;
@@ -666,6 +702,16 @@ pub async fn reseed_now_and_then(
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// The primary's WAL position, read on the writer's connection once its
+/// COMMIT returned, as an application hands it to its client (0: the
+/// connection failed meanwhile: not known).
+async fn position_now(conn: &mut PgConnection) -> u64 {
+    sqlx::query_scalar::<_, i64>("select (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+        .fetch_one(conn)
+        .await
+        .map_or(0, |lsn| u64::try_from(lsn).unwrap_or(0))
 }
 
 /// A connection to the primary, waiting out a restart (at most SETTLE_LIMIT).

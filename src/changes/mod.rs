@@ -92,6 +92,8 @@ struct Setup {
     pool: PgPool,
     state: Arc<watch::Sender<Option<FeedState>>>,
     report: Arc<Mutex<Report>>,
+    /// Kept across restarts of the feed's tasks: reads wait on it.
+    beats: Arc<fanout::Beats>,
 }
 
 impl Feed {
@@ -113,6 +115,7 @@ impl Feed {
             read_path.clone(),
         )))];
         let report = Arc::new(Mutex::new(Report::default()));
+        let beats = Arc::new(fanout::Beats::default());
         if mode == ChangeFeed::Off {
             tracing::info!(
                 mode = "off",
@@ -121,7 +124,11 @@ impl Feed {
             report.lock().unwrap().mode = Some(Mode::Off);
             let (_, state) = watch::channel(Some(FeedState::Off));
             return Ok(Self {
-                status: FeedStatus { state, report },
+                status: FeedStatus {
+                    state,
+                    report,
+                    beats,
+                },
                 pool: None,
                 _tasks: tasks,
             });
@@ -139,6 +146,7 @@ impl Feed {
             pool: pool.clone(),
             state: Arc::new(sender),
             report: report.clone(),
+            beats: beats.clone(),
         };
         tasks.push(AbortOnDropHandle::new(tokio::spawn(setup.run(mode))));
         let first = tokio::time::timeout(STARTUP_WAIT, state.wait_for(Option::is_some))
@@ -151,7 +159,11 @@ impl Feed {
             );
         }
         Ok(Self {
-            status: FeedStatus { state, report },
+            status: FeedStatus {
+                state,
+                report,
+                beats,
+            },
             pool: Some(pool),
             _tasks: tasks,
         })
@@ -295,7 +307,7 @@ impl Setup {
     async fn replicate(self) {
         let keys = self.read_path.keys();
         let stream_key = keys.change_stream();
-        let beats = Arc::new(fanout::Beats::default());
+        let beats = self.beats.clone();
         let (connected, mut is_connected) = watch::channel(false);
         let client = self.read_path.redis().dedicated_client();
         let reader = fanout::Reader {

@@ -5,6 +5,8 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 
+use super::fanout::Beats;
+
 /// What `/readyz` says of the feed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FeedState {
@@ -62,6 +64,9 @@ pub struct Report {
 pub struct FeedStatus {
     pub(super) state: watch::Receiver<Option<FeedState>>,
     pub(super) report: Arc<Mutex<Report>>,
+    /// The decoder's beats and position as this instance read them
+    /// (replication; never a position in another mode).
+    pub(super) beats: Arc<Beats>,
 }
 
 impl FeedStatus {
@@ -71,5 +76,11 @@ impl FeedStatus {
 
     pub fn report(&self) -> Report {
         *self.report.lock().unwrap()
+    }
+
+    /// The decoder's position and beats, as this instance read them:
+    /// what reads asking for a position or a staleness bound go by.
+    pub fn beats(&self) -> &Arc<Beats> {
+        &self.beats
     }
 }

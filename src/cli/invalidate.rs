@@ -75,6 +75,7 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
         lsn: 0,
         ids,
         deleted: Vec::new(),
+        upto: 0,
     };
     tell_the_stream(&redis, &keys, entry).await?;
     Ok(Invalidated::Posts(done))

@@ -67,6 +67,7 @@ impl CacheSettings {
             ("NEGATIVE_TTL", self.negative_ttl),
             ("LOCK_TTL", self.lock_ttl),
             ("WAIT_TIMEOUT", self.wait_timeout),
+            ("MIN_LSN_WAIT", self.min_lsn_wait),
             ("REDIS_TIMEOUT", self.redis_timeout),
             ("POLL_INTERVAL", self.poll_interval),
             ("STALE_WHILE_REVALIDATE", self.stale_while_revalidate),

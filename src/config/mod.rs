@@ -254,6 +254,10 @@ pub struct CacheSettings {
     #[arg(long, env = "WAIT_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
     pub wait_timeout: Duration,
 
+    /// Longest a read asking for a position (PostCache-Min-LSN) waits for this instance's change feed to pass it before it reads past the cache; 0: never waits.
+    #[arg(long, env = "MIN_LSN_WAIT", default_value = "100ms", value_parser = parse_duration)]
+    pub min_lsn_wait: Duration,
+
     /// Bound on every single Redis command; past it the request fails open to PostgreSQL.
     #[arg(long, env = "REDIS_TIMEOUT", default_value = "250ms", value_parser = parse_duration)]
     pub redis_timeout: Duration,

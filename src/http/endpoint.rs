@@ -19,7 +19,7 @@ use hyper::body::Incoming;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
-use super::{error::ApiError, handlers, openapi, state::AppState};
+use super::{error::ApiError, handlers, openapi, position::Wanted, state::AppState};
 use crate::{posts::PostId, telemetry::metrics};
 
 /// Bounds applied to every request but a memory hit (see [`Endpoint`]).
@@ -78,19 +78,25 @@ impl Endpoint {
             metrics::shed("in_flight");
             return Either::Left(ready(Ok(counted(ApiError::Overloaded.into_response()))));
         };
-        let answer = match handlers::post_read(&request) {
-            Some(id) => Either::Left(self.read(request, id)),
-            // Boxed: the routes' futures are larger than a read's, and rarer.
-            None => Either::Right(Box::pin(
-                self.router
-                    .clone()
-                    .oneshot(request.map(Body::new))
-                    .map(|routed| match routed {
-                        Ok(response) => response,
-                        Err(infallible) => match infallible {},
-                    }),
-            )),
-        };
+        let answer =
+            match handlers::post_read(&request) {
+                Some(id) => match Wanted::from_headers(request.headers()) {
+                    Ok(None) => Either::Left(self.read(request, id)),
+                    // Boxed, as the routes: a read that asks for a position is
+                    // rarer and its future larger.
+                    Ok(Some(wanted)) => Either::Right(self.read_wanted(request, id, *wanted)),
+                    Err(error) => return Either::Left(ready(Ok(counted(error.into_response())))),
+                },
+                // Boxed: the routes' futures are larger than a read's, and rarer.
+                None => Either::Right(Box::pin(
+                    self.router.clone().oneshot(request.map(Body::new)).map(
+                        |routed| match routed {
+                            Ok(response) => response,
+                            Err(infallible) => match infallible {},
+                        },
+                    ),
+                ) as Rare),
+            };
         Either::Right(
             tokio::time::timeout(self.request_timeout, answer).map(move |bounded| {
                 drop(permit);
@@ -115,7 +121,19 @@ impl Endpoint {
         let state = self.state.clone();
         async move { handlers::read_post(&state, id, validators).await }
     }
+
+    /// As [`Endpoint::read`], for a read that asked for `wanted`.
+    fn read_wanted(&self, request: Request<Incoming>, id: PostId, wanted: Wanted) -> Rare {
+        let validators = handlers::IfNoneMatch::from_headers(request.headers()).detached();
+        drop(request);
+        let state = self.state.clone();
+        Box::pin(async move { handlers::read_post_wanted(&state, id, validators, wanted).await })
+    }
 }
+
+/// The future of a rarer request (a route, a read that asks for a
+/// position), boxed.
+type Rare = std::pin::Pin<Box<dyn Future<Output = Response> + Send + 'static>>;
 
 /// The routes, without the bounds (see [`Endpoint`]).
 /// Each route is registered with its documentation (see [`openapi`]).

@@ -49,14 +49,25 @@ pub enum ApiError {
     RequestTimeout,
     #[error("no database connection was free in time, try again")]
     Busy,
+    #[error(
+        "invalid PostCache-Min-LSN: a WAL position as PostgreSQL prints it, such as 0/16B3748"
+    )]
+    InvalidMinLsn,
+    #[error("invalid PostCache-Max-Staleness: a duration such as 250ms or 2s, at most an hour")]
+    InvalidMaxStaleness,
+    #[error("PostCache-Min-LSN {asked} is past the database's WAL position {server}: not a position a client can have seen")]
+    MinLsnAhead { asked: String, server: String },
 }
 
 impl ApiError {
     pub fn status_code(&self) -> StatusCode {
         match self {
-            ApiError::InvalidId(_) | ApiError::InvalidPath | ApiError::InvalidIds(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::InvalidId(_)
+            | ApiError::InvalidPath
+            | ApiError::InvalidIds(_)
+            | ApiError::InvalidMinLsn
+            | ApiError::InvalidMaxStaleness
+            | ApiError::MinLsnAhead { .. } => StatusCode::BAD_REQUEST,
             ApiError::PostNotFound | ApiError::RouteNotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Unavailable

@@ -1,6 +1,6 @@
 //! HTTP: request handlers.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::{
     body::Body,
@@ -17,6 +17,7 @@ use utoipa::ToSchema;
 use super::{
     caching::CachingHeaders,
     error::{ApiError, ErrorBody},
+    position::{self, Route, Wanted},
     served, AppState,
 };
 use crate::{
@@ -86,14 +87,24 @@ impl IfNoneMatch {
 /// request bounds (MAX_IN_FLIGHT, REQUEST_TIMEOUT) and the request's span
 /// are spared it. Anything else (another route, a method, an id that is not
 /// plain digits, a memory miss) is `None`, for the full read or the router.
+///
+/// A read that asks for a position or a staleness bound is never answered
+/// here: it goes the full way, which decides where it can be answered from
+/// (see `position.rs`).
 pub fn memory_hit<B>(state: &AppState, request: &Request<B>) -> Option<Response> {
     let id = post_read(request)?;
+    let headers = request.headers();
+    if headers.contains_key(position::MIN_LSN) || headers.contains_key(position::MAX_STALENESS) {
+        return None;
+    }
     let started = Instant::now();
+    // Read before the tier: every change up to it was applied there.
+    let at = state.feed.beats().position();
     // One reading of the clock for the tier's judgement and the headers.
     let now = now_millis();
     let answer = state.read_path.memory_hit(&id.get(), now)?;
-    let validators = IfNoneMatch::from_headers(request.headers());
-    Some(counted(state, &answer, &validators, started, now))
+    let validators = IfNoneMatch::from_headers(headers);
+    Some(counted(state, &answer, &validators, started, now, at))
 }
 
 /// The post id of a `GET /posts/{digits}`, read past the router (see
@@ -118,11 +129,16 @@ pub fn post_read<B>(request: &Request<B>) -> Option<PostId> {
          description = "The post's id: a decimal integer in 1..=9223372036854775807, digits only"),
         ("If-None-Match" = Option<String>, Header,
          description = "ETags of copies the client holds (or `*`): a match is answered 304"),
+        ("PostCache-Min-LSN" = Option<String>, Header, example = "0/16B3748",
+         description = "Read your writes: a WAL position (`pg_current_wal_lsn()` after the client's commit); the answer reflects every commit at or before it. From the cache once this instance's change feed has passed it, after a wait of at most MIN_LSN_WAIT for it, else read past the cache (a replica that has replayed it, or the primary). A position past the database's WAL is a 400"),
+        ("PostCache-Max-Staleness" = Option<String>, Header, example = "250ms",
+         description = "Bounded staleness: a duration (`250ms`, `2s`, at most an hour); if this instance has not heard its change feed keep up within it, the read goes past the cache"),
     ),
     responses(
-        (status = 200, description = "The post", body = Post),
+        (status = 200, description = "The post", body = Post,
+         headers(("PostCache-LSN" = Option<String>, description = "The WAL position the answer is known fresh at (every commit up to it is reflected), while this instance knows one (the change feed up in replication mode, or a read past the cache): send it as PostCache-Min-LSN to read at least as fresh elsewhere"))),
         (status = 304, description = "Not modified: the post's ETag is among If-None-Match's"),
-        (status = 400, description = "Invalid id (also `GET /posts/`, an empty id)", body = ErrorBody),
+        (status = 400, description = "Invalid id (also `GET /posts/`, an empty id), or an invalid PostCache-Min-LSN or PostCache-Max-Staleness, or a PostCache-Min-LSN past the database's WAL position", body = ErrorBody),
         (status = 404, description = "No such post (cached as such for NEGATIVE_TTL, or known missing by the existence guard: X-Cache-Tier guard)", body = ErrorBody),
         (status = 503, description = "The backend failed (PostgreSQL, with no fail-safe copy), or overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS, or no database connection free within DB_ACQUIRE_TIMEOUT: then with Retry-After), or past REQUEST_TIMEOUT", body = ErrorBody,
          headers(("Retry-After" = Option<String>, description = "Seconds to wait, when no database connection was free in time"))),
@@ -132,11 +148,15 @@ pub fn post_read<B>(request: &Request<B>) -> Option<PostId> {
 pub async fn get_post(
     State(state): State<AppState>,
     validators: IfNoneMatch,
+    headers: HeaderMap,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let Path(segment) = path.map_err(|_| ApiError::InvalidPath)?;
     let id = PostId::parse(&segment)?;
-    Ok(read_post(&state, id, validators).await)
+    Ok(match Wanted::from_headers(&headers)? {
+        None => read_post(&state, id, validators).await,
+        Some(wanted) => read_post_wanted(&state, id, validators, *wanted).await,
+    })
 }
 
 /// Reads post `id` and answers it, or its error. Its span is at debug
@@ -144,30 +164,172 @@ pub async fn get_post(
 #[tracing::instrument(name = "get_post", level = "debug", skip_all, fields(id = id.get(), outcome, role, load_ms))]
 pub async fn read_post(state: &AppState, id: PostId, validators: IfNoneMatch) -> Response {
     let started = Instant::now();
-    let answer = match state.read_path.read(id.get()).await {
-        Ok(answer) => answer,
+    // Read before the read: every change up to it is in the cache. Kept as
+    // a plain number across the read, which every waiting request holds
+    // (0: none known; no position is 0).
+    let at = state.feed.beats().position().unwrap_or(0);
+    let read = state.read_path.read(id.get()).await;
+    answered(state, read, &validators, started, at)
+}
+
+/// As [`read_post`], for a read that asked for `wanted` (see
+/// `position.rs`): from the cache once it is known fresh enough, else read
+/// past it.
+#[tracing::instrument(name = "get_post", level = "debug", skip_all, fields(id = id.get(), outcome, role, load_ms))]
+pub async fn read_post_wanted(
+    state: &AppState,
+    id: PostId,
+    validators: IfNoneMatch,
+    wanted: Wanted,
+) -> Response {
+    let started = Instant::now();
+    let past = match route(state, wanted).await {
+        Route::Cache { at, .. } => {
+            let read = state.read_path.read(id.get()).await;
+            // A stale copy (the fail-safe copy of a failed load may be the
+            // version before a change) is no answer to a position.
+            if !read
+                .as_ref()
+                .is_ok_and(|answer| answer.served == Served::Stale)
+            {
+                return answered(state, read, &validators, started, at);
+            }
+            read_past(state, &[id.get()], wanted).await
+        }
+        Route::Past => read_past(state, &[id.get()], wanted).await,
+    };
+    match past {
+        Ok((mut answers, at)) => {
+            let answer = answers.pop().expect("one answer per id");
+            let mut response =
+                counted(state, &answer, &validators, started, now_millis(), Some(at));
+            past_headers(response.headers_mut());
+            response
+        }
+        Err(error) => {
+            metrics::request("error", "none", started.elapsed());
+            error.into_response()
+        }
+    }
+}
+
+/// The response to a read, counted; `at`: the position the cache was known
+/// fresh at when it began (0: none).
+fn answered(
+    state: &AppState,
+    read: Result<Answer, crate::read_path::ReadError>,
+    validators: &IfNoneMatch,
+    started: Instant,
+    at: u64,
+) -> Response {
+    match read {
+        // A stale copy says no position: the fail-safe copy of a failed
+        // load may be the version before a change.
+        Ok(answer) => counted(
+            state,
+            &answer,
+            validators,
+            started,
+            now_millis(),
+            (at != 0 && answer.served != Served::Stale).then_some(at),
+        ),
         Err(e) => {
             tracing::Span::current().record("outcome", e.to_string());
             metrics::request("error", "none", started.elapsed());
-            return ApiError::from(e).into_response();
+            ApiError::from(e).into_response()
         }
-    };
-    counted(state, &answer, &validators, started, now_millis())
+    }
+}
+
+/// Where a read that asked for a position or a staleness bound is answered
+/// from, counted.
+pub(super) async fn route(state: &AppState, wanted: Wanted) -> Route {
+    let route = position::route(state.feed.beats(), wanted, state.min_lsn_wait).await;
+    if let Route::Cache { waited, .. } = route {
+        metrics::position_read(if waited { "wait" } else { "cache" });
+    }
+    route
+}
+
+/// Reads `ids` past the cache, at a position at least the one `wanted`
+/// names: an answer per id, in order (served as a bypass, stored nowhere),
+/// and the position they were read at.
+pub(super) async fn read_past(
+    state: &AppState,
+    ids: &[i64],
+    wanted: Wanted,
+) -> Result<(Vec<Answer>, u64), ApiError> {
+    let started = Instant::now();
+    let min = wanted.min_lsn.unwrap_or(0);
+    let read = state
+        .store
+        .read_at_least(ids, wanted.min_lsn)
+        .await
+        .map_err(|error| {
+            if matches!(error, sqlx::Error::PoolTimedOut) {
+                ApiError::Busy
+            } else {
+                tracing::warn!(%error, "a read past the cache failed");
+                ApiError::Unavailable
+            }
+        })?;
+    if read.position < min {
+        return Err(ApiError::MinLsnAhead {
+            asked: position::format_lsn(min),
+            server: position::format_lsn(read.position),
+        });
+    }
+    metrics::position_read(if read.replica { "replica" } else { "primary" });
+    let took = started.elapsed();
+    let answers = ids
+        .iter()
+        .map(|id| {
+            let entry = match read.posts.iter().find(|post| post.id == *id) {
+                Some(post) => {
+                    let body = serde_json::to_vec(post).map_err(|error| {
+                        tracing::warn!(%error, id, "a post read past the cache does not encode");
+                        ApiError::Unavailable
+                    })?;
+                    Entry::new(Status::Found, &body, Duration::ZERO, took)
+                }
+                None => Entry::new(Status::NotFound, b"", Duration::ZERO, took),
+            };
+            Answer::new(entry, Served::Bypass).map_err(ApiError::from)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((answers, read.position))
+}
+
+/// What a read past the cache says of itself, beside a bypass's headers.
+pub(super) fn past_headers(headers: &mut HeaderMap) {
+    headers.insert(X_CACHE_BYPASS, HeaderValue::from_static("position"));
+    headers.insert(
+        CACHE_STATUS,
+        HeaderValue::from_static("postcache; fwd=bypass; detail=position"),
+    );
 }
 
 /// The response to an answer at `now` (unix ms), counted in the request
-/// metrics (and its span).
+/// metrics (and its span); `at`: the position it is known fresh at, for
+/// `PostCache-LSN`.
 fn counted(
     state: &AppState,
     answer: &Answer,
     validators: &IfNoneMatch,
     started: Instant,
     now: u64,
+    at: Option<u64>,
 ) -> Response {
     let label = served::label(answer.served, answer.entry().status());
     tracing::Span::current().record("outcome", label);
     metrics::request(label, served::tier_label(answer.served), started.elapsed());
-    respond(answer, validators, &state.caching, now)
+    let mut response = respond(answer, validators, &state.caching, now);
+    if let Some(at) = at {
+        response
+            .headers_mut()
+            .insert(position::LSN, position::lsn_header(at));
+    }
+    response
 }
 
 /// The response for an entry: body or 404, with the HTTP caching headers
@@ -228,9 +390,10 @@ pub(super) fn respond(
 }
 
 /// Headers an answer carries at most: content type, X-Cache, Cache-Status,
-/// X-Cache-Tier or X-Cache-Bypass, Cache-Control, Age, ETag, Warning. The
-/// map is made this large at once: one that starts small (room for 6) and
-/// grows on the seventh insert reallocates and rehashes on every answer.
+/// X-Cache-Tier or X-Cache-Bypass, Cache-Control, Age, ETag, Warning,
+/// PostCache-LSN. The map is made this large at once: one that starts
+/// small (room for 6) and grows on the seventh insert reallocates and
+/// rehashes on every answer.
 const HEADERS: usize = 9;
 
 /// `response` with its headers moved into a map with room for [`HEADERS`].
@@ -324,8 +487,17 @@ pub struct Readiness {
     /// applied, in bytes (`null` in the other modes, or not known yet).
     change_feed_lag_bytes: Option<u64>,
     /// Replication: seconds since the fleet's decoder last said it keeps up
-    /// (about 0.5 while it does).
+    /// (at most about 0.1 while it does).
     change_feed_lag_seconds: Option<f64>,
+    /// How reads asking for a position (PostCache-Min-LSN) are answered
+    /// now: `cache`, this instance knows the feed's position (replication,
+    /// up); `primary`, it does not (another mode, or the feed down): they
+    /// read past the cache, correct but slower.
+    #[schema(value_type = String, pattern = "^(cache|primary)$")]
+    read_your_writes: &'static str,
+    /// The WAL position this instance has applied every change up to, as
+    /// PostgreSQL prints it (`null` when not known).
+    change_feed_position: Option<String>,
     /// DATABASE_REPLICA_URLS, each with its state and lag (empty when none
     /// is set); they do not decide readiness: loads fail over to the
     /// primary.
@@ -355,6 +527,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     let report = state.feed.report();
+    let position = state.feed.beats().position();
     let readiness = Readiness {
         status: if status == StatusCode::OK {
             "ready"
@@ -372,6 +545,12 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         change_feed_mode: report.mode.map(|m| m.as_str()),
         change_feed_lag_bytes: report.lag_bytes,
         change_feed_lag_seconds: report.lag_seconds,
+        read_your_writes: if position.is_some() {
+            "cache"
+        } else {
+            "primary"
+        },
+        change_feed_position: position.map(position::format_lsn),
         replicas: state
             .replicas
             .as_ref()

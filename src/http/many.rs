@@ -5,7 +5,7 @@
 
 use axum::{
     extract::{rejection::QueryRejection, Query, State},
-    http::{header, HeaderValue, StatusCode},
+    http::{header, HeaderMap, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
 };
 use serde::Serialize;
@@ -14,12 +14,14 @@ use xxhash_rust::xxh3::Xxh3;
 
 use super::{
     error::{ApiError, ErrorBody},
-    handlers::{etag_value, IfNoneMatch},
+    handlers::{self, etag_value, IfNoneMatch},
+    position::{self, Route, Wanted},
     AppState,
 };
 use crate::{
     cache::{now_millis, Status},
     posts::{Post, PostId},
+    read_path::{Answer, ReadError, Served},
 };
 
 /// Most ids one request may list (duplicates included).
@@ -74,21 +76,28 @@ pub fn parse_ids(list: &str) -> Result<Vec<PostId>, ApiError> {
          description = "Up to 100 post ids, comma-separated decimal integers from 1 to 999999999999999999 (no leading zero); duplicates are answered once"),
         ("If-None-Match" = Option<String>, Header,
          description = "ETags of copies the client holds (or `*`): a match is answered 304"),
+        ("PostCache-Min-LSN" = Option<String>, Header, example = "0/16B3748",
+         description = "As for one post: every part reflects every commit at or before this WAL position"),
+        ("PostCache-Max-Staleness" = Option<String>, Header, example = "250ms",
+         description = "As for one post: past the cache unless this instance heard its change feed keep up within this"),
     ),
     responses(
         (status = 200, description = "The posts found, in the order asked, and the ids not found or unavailable. `Cache-Control` is the smallest freshness of the parts (`no-store` when one is unavailable); the ETag covers every part", body = PostBatch,
          headers(("Cache-Control" = String, description = "The smallest freshness of the parts, or `no-store`"),
-                 ("ETag" = Option<String>, description = "Over every part; absent when one is unavailable"))),
+                 ("ETag" = Option<String>, description = "Over every part; absent when one is unavailable"),
+                 ("PostCache-LSN" = Option<String>, description = "The WAL position every part is known fresh at, while this instance knows one"))),
         (status = 304, description = "Not modified: the batch's ETag is among If-None-Match's"),
-        (status = 400, description = "No ids, an empty list, an invalid id, or more than 100 ids", body = ErrorBody),
-        (status = 503, description = "Overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS) or past REQUEST_TIMEOUT", body = ErrorBody),
+        (status = 400, description = "No ids, an empty list, an invalid id, or more than 100 ids; or an invalid PostCache-Min-LSN or PostCache-Max-Staleness, or a PostCache-Min-LSN past the database's WAL position", body = ErrorBody),
+        (status = 503, description = "Overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS) or past REQUEST_TIMEOUT; or read past the cache (PostCache-Min-LSN, PostCache-Max-Staleness) and PostgreSQL failed, or no connection was free in time (then with Retry-After)", body = ErrorBody),
     )
 )]
 pub async fn get_posts(
     State(state): State<AppState>,
     validators: IfNoneMatch,
+    headers: HeaderMap,
     query: Result<Query<Vec<(String, String)>>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let wanted = Wanted::from_headers(&headers)?;
     let Query(pairs) =
         query.map_err(|_| ApiError::InvalidIds("the query string is not decodable".into()))?;
     let mut lists = pairs.iter().filter(|(name, _)| name == "ids");
@@ -97,7 +106,40 @@ pub async fn get_posts(
     };
     let ids = parse_ids(list)?;
     let keys: Vec<i64> = ids.iter().map(|id| id.get()).collect();
-    let answers = state.read_path.read_many(keys.clone()).await;
+    // As for one post (see `position.rs`): the cache when it has every
+    // change up to the position asked (or is fresh enough), else every id
+    // read past it, at one position.
+    let stale = |answers: &[Result<Answer, ReadError>]| {
+        answers
+            .iter()
+            .any(|answer| answer.as_ref().is_ok_and(|a| a.served == Served::Stale))
+    };
+    let (answers, at, past) = match wanted {
+        None => {
+            let at = state.feed.beats().position();
+            let answers = state.read_path.read_many(keys.clone()).await;
+            // A stale copy says no position (see `handlers::answered`).
+            let at = at.filter(|_| !stale(&answers));
+            (answers, at, false)
+        }
+        Some(wanted) => {
+            let cached = match handlers::route(&state, *wanted).await {
+                Route::Cache { at, .. } => {
+                    let answers = state.read_path.read_many(keys.clone()).await;
+                    // A stale copy is no answer to a position.
+                    (!stale(&answers)).then_some((answers, Some(at), false))
+                }
+                Route::Past => None,
+            };
+            match cached {
+                Some(cached) => cached,
+                None => {
+                    let (answers, at) = handlers::read_past(&state, &keys, *wanted).await?;
+                    (answers.into_iter().map(Ok).collect(), Some(at), true)
+                }
+            }
+        }
+    };
     let now = now_millis();
     let mut posts = Vec::with_capacity(2 + keys.len() * 256);
     let (mut not_found, mut unavailable) = (Vec::new(), Vec::new());
@@ -154,6 +196,12 @@ pub async fn get_posts(
     headers.insert(header::CACHE_CONTROL, cache_control);
     if let Some(value) = etag.and_then(etag_value) {
         headers.insert(header::ETAG, value);
+    }
+    if let Some(at) = at {
+        headers.insert(position::LSN, position::lsn_header(at));
+    }
+    if past {
+        handlers::past_headers(headers);
     }
     Ok(response)
 }

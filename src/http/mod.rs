@@ -1,7 +1,8 @@
 //! The HTTP interface: the endpoint (memory hits at once, reads of posts
 //! past the router, the bounds every other request is held to:
 //! `endpoint.rs`), the state every handler reaches (`state.rs`), routes,
-//! handlers, the error type.
+//! handlers, the error type, and reads that ask for a position (read your
+//! writes: `position.rs`).
 
 mod caching;
 mod endpoint;
@@ -9,6 +10,7 @@ mod error;
 mod handlers;
 mod many;
 pub mod openapi;
+pub mod position;
 mod probe;
 mod served;
 mod server;

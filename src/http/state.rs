@@ -39,4 +39,9 @@ pub struct Shared {
     pub caching: CachingHeaders,
     /// DATABASE_REPLICA_URLS (for `/readyz`).
     pub replicas: Option<Arc<crate::store::Replicas>>,
+    /// Reads past the cache, for those that ask for a position it cannot
+    /// vouch for (see `position.rs`).
+    pub store: PostStore,
+    /// MIN_LSN_WAIT.
+    pub min_lsn_wait: std::time::Duration,
 }

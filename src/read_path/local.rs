@@ -191,6 +191,14 @@ where
         }
         self.lock().remove(key);
     }
+
+    /// Detaches every flight running (a change to every item).
+    pub fn detach_all(&self) {
+        if self.count.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        self.lock().clear();
+    }
 }
 
 impl<K> LocalFlights<K, Outcome>

@@ -380,8 +380,10 @@ impl<S: Source> ReadPath<S> {
         )
         .await;
         // After Redis (see memory.rs), whether this process applied the
-        // change, another did, or Redis failed.
+        // change, another did, or Redis failed; and a flight of the key
+        // that may have read before it is detached (see `forget`).
         self.ctx.memory.evict(key);
+        self.flights.detach(key);
         // A change may be an insert; a deletion leaves the guard as it is
         // (see existence.rs).
         if let (Some(ordinal), ChangeKind::Changed) = (S::ordinal(key), kind) {
@@ -433,8 +435,14 @@ impl<S: Source> ReadPath<S> {
 
     /// This process's memory tier forgets `key` (Redis has its change),
     /// and the existence guard admits it (the change may be its insert).
+    ///
+    /// A flight of the key still running here is detached (see local.rs):
+    /// it may have read before the change, and a request that comes after
+    /// the change was heard of must not get its answer (a read asking for
+    /// a position relies on it).
     pub fn forget(&self, key: &S::Key) {
         self.ctx.memory.evict(key);
+        self.flights.detach(key);
         if let Some(ordinal) = S::ordinal(key) {
             self.existence.admit(ordinal);
         }
@@ -445,6 +453,7 @@ impl<S: Source> ReadPath<S> {
     /// served here: see existence.rs).
     pub fn forget_deleted(&self, key: &S::Key) {
         self.ctx.memory.evict(key);
+        self.flights.detach(key);
     }
 
     /// Every item changed at `since`, the cutoff raised to `cutoff` for it
@@ -458,6 +467,7 @@ impl<S: Source> ReadPath<S> {
     /// guard stands aside until built again.
     pub fn forget_all(&self) {
         self.ctx.memory.clear();
+        self.flights.detach_all();
         self.existence.stand_aside();
     }
 
@@ -493,6 +503,12 @@ impl<S: Source> ReadPath<S> {
 
     /// Takes the fleet's cutoff from Redis (another instance or the
     /// `invalidate --all` command may have raised it). Returns it.
+    /// Raises this process's cutoff to `cutoff` (unix ms) if it is higher,
+    /// without asking Redis: the cutoff a change to every post carries.
+    pub fn raise_cutoff_to(&self, cutoff: u64) -> u64 {
+        self.ctx.raise_cutoff(cutoff)
+    }
+
     pub async fn follow_cutoff(&self) -> Result<u64, RedisError> {
         let cutoff = self.ctx.redis.cutoff(&self.ctx.keys.cutoff()).await?;
         Ok(self.ctx.raise_cutoff(cutoff))

@@ -15,6 +15,6 @@ pub use pools::{
     connect, connect_feed, connect_probe, connect_replica, ensure_database, migrate, MIGRATOR,
     PING_IDLE_AFTER,
 };
-pub use posts::PostStore;
+pub use posts::{PostStore, ReadAt};
 pub use replicas::{check_replica_lag, ReplicaReport, Replicas, PROBE_FRESH};
 pub use wal::wal_position;

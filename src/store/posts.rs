@@ -12,6 +12,16 @@ use crate::{
     read_path::{LoadProgress, Since},
 };
 
+/// Posts read past the cache at a position (see [`PostStore::read_at_least`]).
+#[derive(Debug)]
+pub struct ReadAt {
+    pub posts: Vec<Post>,
+    /// Every commit up to this WAL position is in `posts`.
+    pub position: u64,
+    /// Read from a replica (else the primary).
+    pub replica: bool,
+}
+
 /// Reads and writes posts in PostgreSQL: the primary, and for loads the
 /// read replicas when there are (see `replicas.rs`).
 #[derive(Clone)]
@@ -56,6 +66,36 @@ impl PostStore {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// Reads `ids` at a position at least `min` (a WAL position, bytes
+    /// from 0/0), past the cache: from a read replica known to have
+    /// replayed it, else from the primary (always the primary when no
+    /// position is given: a replica's lag is not bounded in time here).
+    /// The posts found, and the position they are read at (every commit up
+    /// to it is in them). For reads that ask for a position or a staleness
+    /// the cache cannot vouch for (`PostCache-Min-LSN`,
+    /// `PostCache-Max-Staleness`): nothing is stored.
+    pub async fn read_at_least(
+        &self,
+        ids: &[i64],
+        min: Option<u64>,
+    ) -> Result<ReadAt, sqlx::Error> {
+        if let (Some(replicas), Some(min)) = (&self.replicas, min) {
+            if let Some((position, posts)) = replicas.read_at_least(ids, min).await {
+                return Ok(ReadAt {
+                    posts,
+                    position,
+                    replica: true,
+                });
+            }
+        }
+        let (position, posts) = super::replicas::read_positioned(&self.pool, ids).await?;
+        Ok(ReadAt {
+            posts,
+            position,
+            replica: false,
+        })
     }
 
     /// The most connections the pool may open.

@@ -177,6 +177,42 @@ struct Row {
     post_updated_at: Option<crate::posts::Timestamp>,
 }
 
+/// The posts `ids` with the position the server had replayed (a standby)
+/// or written (a primary) before their snapshot was taken, in one round
+/// trip (`postcache_read_posts`, migration 0005): every commit up to that
+/// position is in the rows.
+pub(super) async fn read_positioned(
+    pool: &PgPool,
+    ids: &[i64],
+) -> Result<(u64, Vec<Post>), sqlx::Error> {
+    let rows = sqlx::query_as::<_, Row>(
+        "select replay_lsn, post_id, post_title, post_body, post_author,
+                post_created_at, post_updated_at
+         from postcache_read_posts($1)",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await?;
+    let replayed = rows
+        .first()
+        .map(|row| row.replay_lsn)
+        .ok_or_else(|| sqlx::Error::Protocol("no replay position".into()))?;
+    let posts = rows
+        .into_iter()
+        .filter_map(|row| {
+            Some(Post {
+                id: row.post_id?,
+                title: row.post_title?,
+                body: row.post_body?,
+                author: row.post_author?,
+                created_at: row.post_created_at?,
+                updated_at: row.post_updated_at?,
+            })
+        })
+        .collect();
+    Ok((u64::try_from(replayed).unwrap_or(0), posts))
+}
+
 impl Replicas {
     /// `replicas`: (name, the loads' pool, the probe's pool) each;
     /// `primary`: a connection of the probe's to the primary; `fence_ttl`:
@@ -341,14 +377,8 @@ impl Replicas {
         ids: &[i64],
         deadline: tokio::time::Instant,
     ) -> Result<(u64, Vec<Post>), ReadFailed> {
-        let rows = sqlx::query_as::<_, Row>(
-            "select replay_lsn, post_id, post_title, post_body, post_author,
-                    post_created_at, post_updated_at
-             from postcache_read_posts($1)",
-        )
-        .bind(ids)
-        .fetch_all(&replica.pool);
-        let rows = tokio::time::timeout_at(deadline, rows)
+        let rows = read_positioned(&replica.pool, ids);
+        tokio::time::timeout_at(deadline, rows)
             .await
             .map_err(|_| {
                 ReadFailed::Error(anyhow::anyhow!(
@@ -363,25 +393,40 @@ impl Replicas {
                     ReadFailed::Busy
                 }
                 error => ReadFailed::Error(error.into()),
-            })?;
-        let replayed = rows
-            .first()
-            .map(|row| row.replay_lsn)
-            .ok_or_else(|| ReadFailed::Error(anyhow::anyhow!("no replay position")))?;
-        let posts = rows
-            .into_iter()
-            .filter_map(|row| {
-                Some(Post {
-                    id: row.post_id?,
-                    title: row.post_title?,
-                    body: row.post_body?,
-                    author: row.post_author?,
-                    created_at: row.post_created_at?,
-                    updated_at: row.post_updated_at?,
-                })
             })
-            .collect();
-        Ok((u64::try_from(replayed).unwrap_or(0), posts))
+    }
+
+    /// Reads `ids` from a replica in the rotation that has replayed `min`
+    /// (a WAL position), as its replay position read with the rows shows:
+    /// that position and the posts found, or `None` when no replica is
+    /// known to be that far or none answered in time. For reads that ask
+    /// for a position (`PostCache-Min-LSN`); nothing read here is stored.
+    pub(super) async fn read_at_least(&self, ids: &[i64], min: u64) -> Option<(u64, Vec<Post>)> {
+        let n = self.replicas.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let deadline = tokio::time::Instant::now() + self.read_timeout;
+        for i in 0..n {
+            let replica = &self.replicas[(start + i) % n];
+            if !self.in_rotation(replica) || replica.replayed.load(Ordering::Relaxed) < min {
+                continue;
+            }
+            match self.read_from(replica, ids, deadline).await {
+                Ok((replayed, posts)) => {
+                    replica.failures.store(0, Ordering::Relaxed);
+                    replica.replayed.fetch_max(replayed, Ordering::Relaxed);
+                    if replayed >= min {
+                        return Some((replayed, posts));
+                    }
+                }
+                Err(ReadFailed::Busy) => {}
+                Err(ReadFailed::Error(error)) => {
+                    replica.failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(replica = %replica.name, error = format!("{error:#}"),
+                        "replica read for a position failed; trying the next");
+                }
+            }
+        }
+        None
     }
 
     /// Closes every pool (at shutdown).

@@ -37,6 +37,11 @@ pub struct Version {
     /// When its COMMIT returned (or, when the COMMIT's answer was lost,
     /// when the checker saw the row had it: later, never earlier).
     pub committed: Duration,
+    /// The WAL position its writer read once its COMMIT returned
+    /// (`pg_current_wal_lsn()`, bytes from 0/0: at or past its commit), as
+    /// an application hands it to its client; 0 when not known (the
+    /// COMMIT's answer was lost, or the seed).
+    pub lsn: u64,
 }
 
 /// Every committed version of every post, in commit order per post.
@@ -154,6 +159,62 @@ pub struct Read {
     pub seen: Seen,
     pub served: Served,
     pub batch: bool,
+}
+
+/// A read that asked for every commit up to a WAL position
+/// (`PostCache-Min-LSN`): read your writes.
+#[derive(Debug, Clone, Copy)]
+pub struct PositionRead {
+    pub read: Read,
+    pub min_lsn: u64,
+    /// Sent by a writer right after its own write (else by a reader, with
+    /// the position of the latest write it knew of or saw).
+    pub by_writer: bool,
+    /// The answer went past the cache (`Cache-Status: …detail=position`).
+    pub past: bool,
+}
+
+/// A position read that returned a version older than one it was owed: a
+/// version committed at or before its position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unmet {
+    /// Its index among the position reads.
+    pub read: usize,
+    /// The newest version of the post whose position is at or before the
+    /// read's.
+    pub owed: u32,
+}
+
+/// Judges reads that asked for a position: each must return the newest
+/// version whose writer's position is at or before the read's, or a newer
+/// one (a 404 must match a deletion that new or newer, begun before the
+/// read ended). Versions whose position is not known owe nothing.
+pub fn check_positions(history: &History, reads: &[PositionRead]) -> Vec<Unmet> {
+    let mut unmet = Vec::new();
+    for (index, position_read) in reads.iter().enumerate() {
+        let read = &position_read.read;
+        let versions = history.versions(read.post);
+        let Some(owed) = versions
+            .iter()
+            .filter(|v| v.lsn != 0 && v.lsn <= position_read.min_lsn)
+            .map(|v| v.seq)
+            .max()
+        else {
+            continue;
+        };
+        let met = match read.seen {
+            Seen::Found(seq) => seq >= owed,
+            Seen::Missing => versions
+                .iter()
+                .any(|v| !v.exists && v.seq >= owed && v.began < read.ended),
+            // Judged as phantoms with the other reads.
+            Seen::Garbled(_) => true,
+        };
+        if !met {
+            unmet.push(Unmet { read: index, owed });
+        }
+    }
+    unmet
 }
 
 /// A fault, from its injection until the fleet was seen healthy again.
@@ -598,7 +659,48 @@ mod tests {
             exists,
             began: ms(began),
             committed: ms(committed),
+            // Positions in step with the commit times, for the position
+            // reads' checks (the seed's is not known).
+            lsn: committed * 1000,
         }
+    }
+
+    fn at(min_lsn: u64, read: Read) -> PositionRead {
+        PositionRead {
+            read,
+            min_lsn,
+            by_writer: false,
+            past: false,
+        }
+    }
+
+    #[test]
+    fn a_position_read_owes_the_newest_version_at_or_before_its_position() {
+        let h = history();
+        let reads = [
+            // Position before v1's: nothing owed past the seed (unknown).
+            at(109_000, read(120, 130, Seen::Found(0))),
+            // v1 owed: v1 met, the seed not.
+            at(110_000, read(120, 130, Seen::Found(1))),
+            at(110_000, read(120, 130, Seen::Found(0))),
+            // The deletion (v2) owed: a 404 meets it, v1 does not, v3 does.
+            at(250_000, read(250, 260, Seen::Missing)),
+            at(250_000, read(250, 260, Seen::Found(1))),
+            at(400_000, read(400, 410, Seen::Found(3))),
+            // v1 owed, and a 404 read after the deletion began meets it.
+            at(110_000, read(205, 215, Seen::Missing)),
+            // v3 owed: a 404 (the deletion v2 is older) does not meet it.
+            at(310_000, read(320, 330, Seen::Missing)),
+        ];
+        let unmet = check_positions(&h, &reads);
+        assert_eq!(
+            unmet,
+            vec![
+                Unmet { read: 2, owed: 1 },
+                Unmet { read: 4, owed: 2 },
+                Unmet { read: 7, owed: 3 },
+            ]
+        );
     }
 
     /// Post 1: seeded at 0, v1 written 100–110, deleted (v2) 200–210,

@@ -36,7 +36,7 @@ pub use redis::{RedisCluster, RedisServer};
 pub use socket::{raw_request, RawConn, RawReply};
 pub(crate) use support::kill;
 pub use support::{
-    available, eventually, free_port, init_tracing, postgres_port, redis_url, server_url,
-    wait_until, A_WHILE, PATIENT,
+    available, eventually, free_port, init_tracing, numeric_arg, postgres_port, redis_url,
+    server_url, wait_until, A_WHILE, PATIENT, REPLICATION_LONG_LIVED,
 };
 pub use world::TestEnv;

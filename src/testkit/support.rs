@@ -22,6 +22,28 @@ pub const PATIENT: &[&str] = &[
     "20s",
 ];
 
+/// Flags of an instance that follows the change feed in replication mode,
+/// with lifetimes far past any test's bounds: a change lost would be served
+/// for ten minutes, not expire within the test.
+pub const REPLICATION_LONG_LIVED: [&str; 6] = [
+    "--change-feed",
+    "replication",
+    "--cache-ttl",
+    "600s",
+    "--l1-ttl",
+    "600s",
+];
+
+/// The number given after flag `name` on this program's command line, or
+/// `default` (for the examples' few settings).
+pub fn numeric_arg(name: &str, default: u64) -> u64 {
+    let argv: Vec<String> = std::env::args().collect();
+    argv.iter()
+        .position(|a| a == name)
+        .and_then(|i| argv.get(i + 1))
+        .map_or(default, |v| v.parse().expect("a number"))
+}
+
 /// The usual bound of a wait for something that takes milliseconds.
 pub const A_WHILE: Duration = Duration::from_secs(30);
 

@@ -21,6 +21,7 @@ mod memory;
 mod not_serving;
 mod odd_rows;
 mod processes;
+mod read_your_writes;
 mod replicas;
 mod replication;
 mod restarts;

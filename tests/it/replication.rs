@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use postcache::testkit::{
     eventually, wait_until, RedisServer, ServiceProcess, TestApp, TestEnv, A_WHILE,
+    REPLICATION_LONG_LIVED,
 };
 use sqlx::{Connection, PgConnection};
 
@@ -208,14 +209,7 @@ async fn the_decoder_killed_while_rows_change_loses_no_change() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_replication_connection_cut_without_the_slot_dropped_loses_no_change() {
     let env = TestEnv::new(20).await;
-    let flags = [
-        "--change-feed",
-        "replication",
-        "--cache-ttl",
-        "600s",
-        "--l1-ttl",
-        "600s",
-    ];
+    let flags = REPLICATION_LONG_LIVED;
     let apps: Vec<TestApp> = join_all((0..2).map(|_| env.spawn(&flags))).await;
     for app in &apps {
         wait_until("the feed up", A_WHILE, async || {
@@ -312,15 +306,7 @@ async fn a_slot_invalidated_past_max_slot_wal_keep_size_is_a_gap_closed_by_the_c
     ] {
         sqlx::query(sql).execute(&env.admin).await.unwrap();
     }
-    let flags = [
-        "--change-feed",
-        "replication",
-        "--cache-ttl",
-        "600s",
-        "--l1-ttl",
-        "600s",
-    ];
-    let app = env.spawn(&flags).await;
+    let app = env.spawn(&REPLICATION_LONG_LIVED).await;
     wait_until("the feed up", A_WHILE, async || {
         app.get("/readyz").await.json()["change_feed"] == "up"
     })
@@ -352,7 +338,7 @@ async fn a_slot_invalidated_past_max_slot_wal_keep_size_is_a_gap_closed_by_the_c
             .unwrap();
     assert_eq!(status.as_deref(), Some("lost"), "the slot is invalidated");
 
-    let next = env.spawn(&flags).await;
+    let next = env.spawn(&REPLICATION_LONG_LIVED).await;
     until_titled(&next.http, 3, "made while the slot fell behind").await;
     let counted = r#"postcache_change_feed_gaps_total{why="slot_invalidated"}"#;
     assert!(next.http.metric(counted).await >= 1.0, "the gap is counted");

@@ -13,7 +13,7 @@ use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 
 use super::{
     batch::{Batch, DecoderProgress, Pending, RETRY_LIST_MAX},
-    fanout::{self, Entry, BEAT_EVERY},
+    fanout::{self, Entry, BEAT_EVERY, POSITION_EVERY},
     pgoutput::{self, Layouts, Message},
     Candidate,
 };
@@ -75,17 +75,25 @@ impl Candidate {
                 None => {
                     self.flush(&mut batch, &mut progress).await?;
                     client.update_applied_lsn(progress.confirmable());
+                    // The position moved past what the stream last said
+                    // (a keepalive after WAL of other tables): a beat says
+                    // so soon, for reads waiting on a position (see
+                    // POSITION_EVERY), not a BEAT_EVERY later.
+                    let keeps_up = caught_up && pending.is_none() && progress.retry.is_empty();
+                    let tell = (keeps_up && progress.applied.0 > progress.announced)
+                        .then(|| progress.announced_at + POSITION_EVERY);
                     tokio::select! {
                         event = client.recv() => event?,
                         _ = beat.tick() => {
                             self.retry(&mut progress).await?;
                             if caught_up && pending.is_none() && progress.retry.is_empty() {
-                                let behind = server_end.0.saturating_sub(progress.applied.0);
-                                let entry = Entry::Beat { lsn: progress.applied.0, behind };
-                                fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
-                                metrics::feed_lag_bytes(behind);
+                                self.beat(server_end, &mut progress).await?;
                             }
                             client.update_applied_lsn(progress.confirmable());
+                            continue;
+                        }
+                        _ = tokio::time::sleep_until(tell.unwrap_or_else(Instant::now).into()), if tell.is_some() => {
+                            self.beat(server_end, &mut progress).await?;
                             continue;
                         }
                     }
@@ -146,6 +154,20 @@ impl Candidate {
                 ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
             }
         }
+    }
+
+    /// Appends a beat: everything the server sent is applied, and how far
+    /// behind its end the decoder is.
+    async fn beat(&self, server_end: Lsn, progress: &mut DecoderProgress) -> anyhow::Result<()> {
+        let behind = server_end.0.saturating_sub(progress.applied.0);
+        let entry = Entry::Beat {
+            lsn: progress.applied.0,
+            behind,
+        };
+        fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
+        progress.announce(progress.applied.0);
+        metrics::feed_lag_bytes(behind);
+        Ok(())
     }
 
     /// Applies the committed transactions read so far to Redis, then
@@ -266,6 +288,13 @@ impl Candidate {
             progress.retry.clear();
         }
         if !ids.is_empty() {
+            // Nothing waits for a retry: every change up to here is applied
+            // (before this batch, everything up to `applied` was).
+            let upto = if progress.retry.is_empty() {
+                progress.applied.0.max(lsn.0)
+            } else {
+                0
+            };
             fanout::append(
                 self.read_path.redis(),
                 &self.stream_key,
@@ -273,9 +302,11 @@ impl Candidate {
                     lsn: lsn.0,
                     ids,
                     deleted,
+                    upto,
                 },
             )
             .await?;
+            progress.announce(upto);
         }
         Ok(())
     }

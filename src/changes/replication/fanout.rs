@@ -26,11 +26,15 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
     time::{Duration, Instant},
 };
 
 use fred::prelude::*;
+use tokio::sync::Notify;
 
 use crate::{
     read_path::{ReadPath, Since},
@@ -38,13 +42,22 @@ use crate::{
     store::PostStore,
 };
 
-/// How often the decoder appends a beat while it keeps up.
-pub const BEAT_EVERY: Duration = Duration::from_millis(500);
+/// How often the decoder appends a beat while it keeps up. Its age bounds
+/// how far behind the server an instance may be (`PostCache-Max-Staleness`).
+pub const BEAT_EVERY: Duration = Duration::from_millis(100);
+/// The soonest a beat follows the last when the decoder's position moved
+/// without a change to posts (the server's keepalive after WAL of other
+/// tables): reads waiting for a position past the last change hear of it
+/// within this, not a BEAT_EVERY later. At most 50 such beats a second.
+pub const POSITION_EVERY: Duration = Duration::from_millis(20);
 /// A fleet whose last beat is older than this has no decoder keeping up.
 pub const BEAT_STALE: Duration = Duration::from_secs(2);
-/// Entries kept in the stream (about: trimmed with `~`). At two beats a
-/// second, over an hour's worth when nothing changes.
-const STREAM_MAX: u64 = 10_000;
+/// Entries kept in the stream (about: trimmed with `~`): at the most beats
+/// there are (BEAT_EVERY, and POSITION_EVERY while other tables are
+/// written, 60 a second), over 25 minutes' worth, so that an instance
+/// stopped for minutes still reads on from where it was. Entries are a few
+/// tens of bytes: a few megabytes of Redis.
+const STREAM_MAX: u64 = 100_000;
 /// Longest one XREAD blocks.
 const BLOCK: Duration = Duration::from_millis(1000);
 /// Entries read per XREAD.
@@ -60,11 +73,16 @@ const FENCED_TOGETHER: usize = 256;
 pub enum Entry {
     /// These posts changed, in the transaction that committed at `lsn`;
     /// those of them in `deleted` were deleted (the existence guard drops
-    /// them). An entry without the field reads as no deletes.
+    /// them). An entry without the field reads as no deletes. `upto`, when
+    /// not 0, says the decoder had then applied every change committed up
+    /// to it (nothing waits for a retry): a read that asks for a position
+    /// (`PostCache-Min-LSN`) is answered from the cache once its instance
+    /// has read that far. Entries that are not the decoder's say 0.
     Posts {
         lsn: u64,
         ids: Vec<i64>,
         deleted: Vec<i64>,
+        upto: u64,
     },
     /// Every post (a TRUNCATE, a transaction past the bound, a gap): the
     /// cutoff was raised to `cutoff` (unix ms; 0 in an entry without the
@@ -78,12 +96,20 @@ pub enum Entry {
 impl Entry {
     fn fields(&self) -> Vec<(&'static str, String)> {
         match self {
-            Entry::Posts { lsn, ids, deleted } => {
+            Entry::Posts {
+                lsn,
+                ids,
+                deleted,
+                upto,
+            } => {
                 let list =
                     |ids: &[i64]| ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
                 let mut fields = vec![("lsn", lsn.to_string()), ("ids", list(ids))];
                 if !deleted.is_empty() {
                     fields.push(("deleted", list(deleted)));
+                }
+                if *upto != 0 {
+                    fields.push(("upto", upto.to_string()));
                 }
                 fields
             }
@@ -123,7 +149,16 @@ impl Entry {
         };
         let ids = list(fields.get("ids")?)?;
         let deleted = list(fields.get("deleted").map_or("", String::as_str))?;
-        Some(Entry::Posts { lsn, ids, deleted })
+        let upto = match fields.get("upto") {
+            Some(upto) => upto.parse().ok()?,
+            None => 0,
+        };
+        Some(Entry::Posts {
+            lsn,
+            ids,
+            deleted,
+            upto,
+        })
     }
 }
 
@@ -149,10 +184,40 @@ pub async fn last_beat(redis: &RedisCommands, key: &str) -> Result<Option<u64>, 
     }))
 }
 
-/// What the instance knows of the decoder, from the stream.
-#[derive(Debug, Default)]
+/// What the instance knows of the decoder, from the stream: its last beat,
+/// and how far it has applied the server's changes (its position), which
+/// reads that ask for a position wait on.
+#[derive(Debug)]
 pub struct Beats {
     last: Mutex<Option<(Instant, u64)>>,
+    /// What `beat_at` counts from.
+    epoch: Instant,
+    /// When the last beat was read: milliseconds from `epoch`, plus one (0:
+    /// none since the stream was last taken up from its end). An atomic, so
+    /// that a read asking for a position judges it without a lock.
+    beat_at: AtomicU64,
+    /// As `beat_at`, for the last beat that said the decoder was not behind
+    /// the server at all.
+    level_at: AtomicU64,
+    /// Every change committed up to here (a WAL position, bytes from 0/0)
+    /// was applied to Redis by the decoder and forgotten by this instance's
+    /// memory tier before it was set.
+    applied: AtomicU64,
+    /// Woken whenever `applied` moves on.
+    advanced: Notify,
+}
+
+impl Default for Beats {
+    fn default() -> Self {
+        Self {
+            last: Mutex::new(None),
+            epoch: Instant::now(),
+            beat_at: AtomicU64::new(0),
+            level_at: AtomicU64::new(0),
+            applied: AtomicU64::new(0),
+            advanced: Notify::new(),
+        }
+    }
 }
 
 impl Beats {
@@ -160,6 +225,12 @@ impl Beats {
     /// again only once a beat comes that was appended after everything the
     /// stream lost meanwhile was applied.
     fn forget(&self) {
+        self.beat_at.store(0, Ordering::SeqCst);
+        self.level_at.store(0, Ordering::SeqCst);
+        // The next beat says the position again: a decoder's progress, on
+        // whatever WAL timeline it reads now (a promoted standby's may be
+        // behind this one).
+        self.applied.store(0, Ordering::SeqCst);
         let mut last = self.last.lock().unwrap();
         if let Some((_, behind)) = *last {
             // Stale, but the last lag known stays readable.
@@ -169,8 +240,30 @@ impl Beats {
         }
     }
 
-    fn beat(&self, behind: u64) {
+    fn beat(&self, lsn: u64, behind: u64) {
         *self.last.lock().unwrap() = Some((Instant::now(), behind));
+        // A beat says the decoder's whole progress: it is the position,
+        // even below the last one (a new decoder on a new timeline, a slot
+        // made again), which only makes reads wait or go past the cache.
+        self.applied.store(lsn, Ordering::SeqCst);
+        // Only a beat that says the decoder had nothing left to apply
+        // bounds the instance's staleness (PostCache-Max-Staleness).
+        if behind == 0 {
+            let at = self.epoch.elapsed().as_millis() as u64 + 1;
+            self.level_at.store(at, Ordering::SeqCst);
+        }
+        let at = self.epoch.elapsed().as_millis() as u64 + 1;
+        self.beat_at.store(at, Ordering::SeqCst);
+        // Every beat wakes the waiting reads: also one that says a
+        // position already held, after the feed came back.
+        self.advanced.notify_waiters();
+    }
+
+    /// Everything committed up to `lsn` is applied here.
+    fn advance(&self, lsn: u64) {
+        if self.applied.fetch_max(lsn, Ordering::SeqCst) < lsn {
+            self.advanced.notify_waiters();
+        }
     }
 
     /// When the last beat was read, and how far behind the server the
@@ -181,7 +274,62 @@ impl Beats {
 
     /// Whether a decoder keeps up: a beat within BEAT_STALE.
     pub fn fresh(&self) -> bool {
-        self.last().is_some_and(|(at, _)| at.elapsed() < BEAT_STALE)
+        self.since_beat().is_some_and(|age| age < BEAT_STALE)
+    }
+
+    /// How long ago the last beat was read (`None`: none since the stream
+    /// was last taken up).
+    pub fn since_beat(&self) -> Option<Duration> {
+        self.age(self.beat_at.load(Ordering::SeqCst))
+    }
+
+    /// How long ago the last beat that said the decoder had applied all the
+    /// server had sent was read, while beats come (`None`: none since the
+    /// stream was last taken up, or the feed is down): a bound on how far
+    /// behind the server this instance may be, as a decoder that keeps up
+    /// beats every BEAT_EVERY.
+    pub fn staleness(&self) -> Option<Duration> {
+        if !self.fresh() {
+            return None;
+        }
+        self.age(self.level_at.load(Ordering::SeqCst))
+    }
+
+    fn age(&self, at: u64) -> Option<Duration> {
+        match at {
+            0 => None,
+            at => Some(Duration::from_millis(
+                (self.epoch.elapsed().as_millis() as u64 + 1).saturating_sub(at),
+            )),
+        }
+    }
+
+    /// The position this instance has applied every change up to, while a
+    /// decoder keeps up (`None` otherwise: in another mode, or with the
+    /// feed down, nothing is known).
+    pub fn position(&self) -> Option<u64> {
+        let applied = self.applied.load(Ordering::SeqCst);
+        (applied > 0 && self.fresh()).then_some(applied)
+    }
+
+    /// Waits until this instance has applied every change up to `lsn`, for
+    /// at most `limit`, woken by the stream's reader (no polling): whether it
+    /// has, with a decoder keeping up.
+    pub async fn reached(&self, lsn: u64, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let advanced = self.advanced.notified();
+            tokio::pin!(advanced);
+            // Registered before the position is read: an advance between
+            // the two still wakes it.
+            advanced.as_mut().enable();
+            if self.position().is_some_and(|at| at >= lsn) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, advanced).await.is_err() {
+                return self.position().is_some_and(|at| at >= lsn);
+            }
+        }
     }
 }
 
@@ -310,8 +458,12 @@ impl Reader {
 
     async fn take(&self, entry: Option<Entry>) {
         match entry {
-            Some(Entry::Beat { behind, .. }) => self.beats.beat(behind),
-            Some(Entry::Posts { ids, deleted, .. }) => {
+            // Set once what it says is applied here (the memory tier has
+            // forgotten what it names).
+            Some(Entry::Beat { lsn, behind }) => self.beats.beat(lsn, behind),
+            Some(Entry::Posts {
+                ids, deleted, upto, ..
+            }) => {
                 for id in ids {
                     if deleted.contains(&id) {
                         self.read_path.forget_deleted(&id);
@@ -319,6 +471,7 @@ impl Reader {
                         self.read_path.forget(&id);
                     }
                 }
+                self.beats.advance(upto);
             }
             Some(Entry::All { .. }) | None => {
                 if entry.is_none() {
@@ -331,6 +484,10 @@ impl Reader {
                     _ => (Since::PRIMARY, 0),
                 };
                 let suspects = self.read_path.all_changed(since, cutoff);
+                // The entry's own cutoff holds here at once, whether or not
+                // Redis answers now: a read that asks for a position past
+                // this change must not be served an entry read before it.
+                self.read_path.raise_cutoff_to(cutoff);
                 if let Err(error) = self.read_path.follow_cutoff().await {
                     tracing::debug!(%error, "could not read the cutoff");
                 }
@@ -363,6 +520,7 @@ impl Reader {
                     lsn: since.0,
                     ids,
                     deleted: Vec::new(),
+                    upto: 0,
                 };
                 if let Err(error) = append(self.read_path.redis(), &self.key, &entry).await {
                     tracing::warn!(%error, "could not tell the fleet of the fenced posts");
@@ -431,16 +589,19 @@ mod tests {
                 lsn: 0x1_6B00_0000,
                 ids: vec![1, 42, i64::MAX],
                 deleted: vec![],
+                upto: 0,
             },
             Entry::Posts {
                 lsn: 0x1_6B00_0000,
                 ids: vec![1, 42, i64::MAX],
                 deleted: vec![42],
+                upto: 0x1_6B00_0000,
             },
             Entry::Posts {
                 lsn: 7,
                 ids: vec![],
                 deleted: vec![],
+                upto: 7,
             },
             Entry::All {
                 lsn: 9,

@@ -202,6 +202,17 @@ pub fn routed_to_replica(keys: usize) {
     counter!(REPLICA_ROUTED, "to" => "replica", "reason" => "caught_up").increment(keys as u64);
 }
 
+/// A read that asked for a position or a staleness bound, and how it was
+/// answered: `cache`, `wait`, `replica` or `primary`.
+pub fn position_read(answered: &'static str) {
+    counter!(POSITION_READS, "answered" => answered).increment(1);
+}
+
+/// How long a read waited for the change feed to pass its position.
+pub fn position_wait(waited: Duration) {
+    histogram!(POSITION_WAIT).record(waited.as_secs_f64());
+}
+
 /// Keys loaded from the primary although replicas are set, and why.
 pub fn routed_to_primary(reason: &'static str, keys: usize) {
     counter!(REPLICA_ROUTED, "to" => "primary", "reason" => reason).increment(keys as u64);

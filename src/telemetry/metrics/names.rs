@@ -120,6 +120,15 @@ pub const REPLICA_LAG_SECONDS: &str = "postcache_replica_lag_seconds";
 /// Per replica: bytes of WAL between the primary's position and its replay.
 pub const REPLICA_LAG_BYTES: &str = "postcache_replica_lag_bytes";
 
+/// Reads that asked for a position (`PostCache-Min-LSN`) or a bound on
+/// staleness (`PostCache-Max-Staleness`), by how they were answered
+/// (`answered`): `cache`, at once; `wait`, from the cache once the change
+/// feed passed the position; `replica` or `primary`, read past the cache.
+pub const POSITION_READS: &str = "postcache_min_lsn_reads_total";
+/// How long reads asking for a position waited for the change feed to
+/// pass it (those that waited, whether it passed in time or not).
+pub const POSITION_WAIT: &str = "postcache_min_lsn_wait_seconds";
+
 /// Every metric name, for checks that dashboards name only what exists.
 pub const ALL: &[&str] = &[
     REQUESTS,
@@ -165,6 +174,8 @@ pub const ALL: &[&str] = &[
     REPLICA_UP,
     REPLICA_LAG_SECONDS,
     REPLICA_LAG_BYTES,
+    POSITION_READS,
+    POSITION_WAIT,
 ];
 
 pub(super) fn describe() {
@@ -272,6 +283,15 @@ pub(super) fn describe() {
     describe_counter!(
         REPLICA_ROUTED,
         "Loads by where they were read: a replica, or the primary and why."
+    );
+    describe_counter!(
+        POSITION_READS,
+        "Reads asking for a position or a staleness bound, by how they were answered: cache, wait, replica, primary."
+    );
+    describe_histogram!(
+        POSITION_WAIT,
+        Unit::Seconds,
+        "How long reads asking for a position waited for the change feed to pass it."
     );
     describe_gauge!(
         REPLICA_UP,

@@ -1,0 +1,266 @@
+//! HTTP: reads that ask for a position (read your writes).
+//!
+//! A client that wrote to PostgreSQL reads `pg_current_wal_lsn()` after its
+//! commit and sends it back as `PostCache-Min-LSN: 0/16B3748`: the answer
+//! then reflects every commit at or before that position. The change feed
+//! (replication) applies changes in commit order, first to Redis and then,
+//! as each instance reads the fleet's stream, to its memory tier, so once
+//! this instance has read the stream past the position the cache has every
+//! change up to it: a change at or before it would have invalidated the
+//! entry. The read is then served as any other. Otherwise it waits, woken
+//! by the stream's reader, up to MIN_LSN_WAIT; past that it reads past the
+//! cache, from a replica that has replayed the position or from the
+//! primary, and stores nothing.
+//!
+//! `PostCache-Max-Staleness: 250ms` asks that this instance has heard the
+//! decoder say it keeps up within that long (it beats every BEAT_EVERY):
+//! otherwise the read goes past the cache.
+//!
+//! Every answer of a post says `PostCache-LSN`, the position it is known
+//! fresh at (every commit up to it is reflected), while this instance
+//! knows one: send it as `PostCache-Min-LSN` to read at least as fresh
+//! elsewhere. Without a change feed in replication mode, or with it down,
+//! no position is known: reads that ask for one go past the cache.
+
+use std::{cell::RefCell, time::Duration};
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+
+use super::error::ApiError;
+use crate::{changes::fanout::Beats, telemetry::metrics};
+
+pub const MIN_LSN: HeaderName = HeaderName::from_static("postcache-min-lsn");
+pub const MAX_STALENESS: HeaderName = HeaderName::from_static("postcache-max-staleness");
+pub const LSN: HeaderName = HeaderName::from_static("postcache-lsn");
+
+/// What a read asked for; `None` in both: an ordinary read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Wanted {
+    /// Every commit up to this WAL position (bytes from 0/0).
+    pub min_lsn: Option<u64>,
+    /// Heard from the decoder within this.
+    pub max_staleness: Option<Duration>,
+}
+
+impl Wanted {
+    /// The request's asks, or a 400 for a header that does not parse.
+    /// `None` when it asks for nothing (the common case, one lookup each).
+    /// Boxed: a read's future keeps it for the whole read, and most reads
+    /// ask for nothing.
+    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Box<Self>>, ApiError> {
+        let max_staleness = headers.get(MAX_STALENESS);
+        if !min_lsn_given(headers) && max_staleness.is_none() {
+            return Ok(None);
+        }
+        // Sent more than once, the latest position is asked for.
+        let mut min_lsn = None;
+        if min_lsn_given(headers) {
+            for value in headers.get_all(MIN_LSN) {
+                let lsn = value
+                    .to_str()
+                    .ok()
+                    .and_then(parse_lsn)
+                    .ok_or(ApiError::InvalidMinLsn)?;
+                min_lsn = min_lsn.max(Some(lsn));
+            }
+        }
+        // 0/0: every commit up to nothing, which any answer reflects.
+        let min_lsn = min_lsn.filter(|&lsn| lsn > 0);
+        let max_staleness = match max_staleness {
+            None => None,
+            Some(value) => Some(
+                value
+                    .to_str()
+                    .ok()
+                    .and_then(parse_staleness)
+                    .ok_or(ApiError::InvalidMaxStaleness)?,
+            ),
+        };
+        if min_lsn.is_none() && max_staleness.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(Box::new(Self {
+            min_lsn,
+            max_staleness,
+        })))
+    }
+}
+
+fn min_lsn_given(headers: &HeaderMap) -> bool {
+    headers.contains_key(MIN_LSN)
+}
+
+/// A WAL position as PostgreSQL prints it (`16/B374D848`: two hexadecimal
+/// numbers of at most 8 digits), as bytes from 0/0.
+pub fn parse_lsn(text: &str) -> Option<u64> {
+    let (high, low) = text.trim().split_once('/')?;
+    let part = |part: &str| {
+        (!part.is_empty() && part.len() <= 8 && part.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| u32::from_str_radix(part, 16).ok())
+            .flatten()
+    };
+    Some((u64::from(part(high)?) << 32) | u64::from(part(low)?))
+}
+
+/// A WAL position as PostgreSQL prints it.
+pub fn format_lsn(lsn: u64) -> String {
+    format!("{:X}/{:X}", lsn >> 32, lsn & 0xFFFF_FFFF)
+}
+
+/// A staleness bound: `250ms`, `2s`, `1s 500ms` (humantime), at most an hour.
+fn parse_staleness(text: &str) -> Option<Duration> {
+    humantime::parse_duration(text.trim())
+        .ok()
+        .filter(|d| *d <= Duration::from_secs(3600))
+}
+
+/// The `PostCache-LSN` value of `lsn`. Made once per position per thread:
+/// the position changes with writes, and every answer of a post says it.
+pub fn lsn_header(lsn: u64) -> HeaderValue {
+    thread_local! {
+        static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((at, value)) if *at == lsn => value.clone(),
+            _ => {
+                let value = HeaderValue::try_from(format_lsn(lsn))
+                    .expect("hexadecimal digits and a slash are a header value");
+                *last = Some((lsn, value.clone()));
+                value
+            }
+        }
+    })
+}
+
+/// Where a read that asked for something is answered from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// From the cache, which has every change up to `at`.
+    Cache { at: u64, waited: bool },
+    /// Past the cache: nothing this instance knows vouches for it.
+    Past,
+}
+
+/// Decides where a read that asked for `wanted` is answered from, waiting
+/// up to `wait` for this instance's feed to pass its position.
+pub async fn route(beats: &Beats, wanted: Wanted, wait: Duration) -> Route {
+    // Judged again after a wait: the bound is on the answer.
+    let fresh_enough = || match wanted.max_staleness {
+        None => true,
+        Some(bound) => beats.staleness().is_some_and(|age| age <= bound),
+    };
+    if !fresh_enough() {
+        return Route::Past;
+    }
+    let Some(at) = beats.position() else {
+        return Route::Past;
+    };
+    let Some(min) = wanted.min_lsn else {
+        return Route::Cache { at, waited: false };
+    };
+    if at >= min {
+        return Route::Cache { at, waited: false };
+    }
+    if wait.is_zero() {
+        return Route::Past;
+    }
+    let started = std::time::Instant::now();
+    let reached = beats.reached(min, wait).await;
+    metrics::position_wait(started.elapsed());
+    match beats.position() {
+        Some(at) if reached && at >= min && fresh_enough() => Route::Cache { at, waited: true },
+        _ => Route::Past,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wanted(pairs: &[(&HeaderName, &str)]) -> Result<Option<Wanted>, String> {
+        let mut headers = HeaderMap::new();
+        for (name, value) in pairs {
+            headers.append(*name, HeaderValue::from_str(value).unwrap());
+        }
+        Wanted::from_headers(&headers)
+            .map(|w| w.map(|w| *w))
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_asks_read_from_the_headers() {
+        assert_eq!(wanted(&[]), Ok(None));
+        assert_eq!(
+            wanted(&[(&MIN_LSN, "0/10"), (&MIN_LSN, "1/0"), (&MIN_LSN, "0/20")]),
+            Ok(Some(Wanted {
+                min_lsn: Some(1 << 32),
+                max_staleness: None
+            }))
+        );
+        // 0/0 asks for nothing past what any answer reflects.
+        assert_eq!(wanted(&[(&MIN_LSN, "0/0")]), Ok(None));
+        assert_eq!(
+            wanted(&[(&MIN_LSN, "0/0"), (&MAX_STALENESS, "2s")]),
+            Ok(Some(Wanted {
+                min_lsn: None,
+                max_staleness: Some(Duration::from_secs(2))
+            }))
+        );
+        assert!(wanted(&[(&MIN_LSN, "0/10"), (&MIN_LSN, "x")]).is_err());
+        assert!(wanted(&[(&MAX_STALENESS, "soon")]).is_err());
+    }
+
+    #[test]
+    fn positions_read_back_as_postgresql_prints_them() {
+        for (text, lsn) in [
+            ("0/0", 0),
+            ("0/16B3748", 0x16B_3748),
+            ("16/B374D848", 0x16_B374_D848),
+            ("FFFFFFFF/FFFFFFFF", u64::MAX),
+            ("1/0", 1 << 32),
+        ] {
+            assert_eq!(parse_lsn(text), Some(lsn), "{text}");
+            assert_eq!(format_lsn(lsn), text);
+        }
+        assert_eq!(parse_lsn("0/16b3748"), Some(0x16B_3748));
+    }
+
+    #[test]
+    fn a_position_that_is_not_one_does_not_parse() {
+        for text in [
+            "",
+            "/",
+            "0/",
+            "/0",
+            "0",
+            "0/0/0",
+            "x/1",
+            "1/-1",
+            "+1/1",
+            "100000000/0",
+            "0/1 2",
+            "0x1/1",
+        ] {
+            assert_eq!(parse_lsn(text), None, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn a_staleness_bound_reads_as_a_duration_of_at_most_an_hour() {
+        assert_eq!(parse_staleness("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_staleness("2s"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_staleness("0s"), Some(Duration::ZERO));
+        for text in ["", "250", "-1s", "2h", "soon"] {
+            assert_eq!(parse_staleness(text), None, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn the_header_value_follows_the_position() {
+        assert_eq!(lsn_header(0x16B_3748), "0/16B3748");
+        assert_eq!(lsn_header(0x16B_3748), "0/16B3748");
+        assert_eq!(lsn_header(1 << 32), "1/0");
+    }
+}

@@ -1,0 +1,335 @@
+//! Read your writes: a read that carries the WAL position of a write
+//! (`PostCache-Min-LSN`) reflects it, on any instance, at once; every
+//! answer says the position it is fresh at (`PostCache-LSN`); a staleness
+//! bound (`PostCache-Max-Staleness`); and without a feed that knows its
+//! position, such reads go past the cache.
+
+use std::time::Duration;
+
+use postcache::{
+    http::position::{format_lsn, parse_lsn},
+    testkit::{wait_until, Http, Reply, TestEnv, A_WHILE, REPLICATION_LONG_LIVED},
+};
+
+const REPLICATION: [&str; 6] = REPLICATION_LONG_LIVED;
+
+/// Retitles post `id` by plain SQL and returns the position the commit is
+/// at, as an application would hand it to its client.
+async fn write(env: &TestEnv, id: i64, title: &str) -> String {
+    env.retitle(id, title).await;
+    sqlx::query_scalar("select pg_current_wal_lsn()::text")
+        .fetch_one(&env.admin)
+        .await
+        .unwrap()
+}
+
+async fn read_at(http: &Http, path: &str, headers: &[(&str, &str)]) -> Reply {
+    http.send(reqwest::Method::GET, path, headers)
+        .await
+        .expect("a response")
+}
+
+fn title(reply: &Reply) -> String {
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    reply.json()["title"].as_str().unwrap().to_owned()
+}
+
+fn said_position(reply: &Reply) -> Option<u64> {
+    reply
+        .headers
+        .get("postcache-lsn")
+        .map(|v| parse_lsn(v.to_str().unwrap()).expect("PostCache-LSN parses"))
+}
+
+async fn until_positions_known(apps: &[&Http]) {
+    for http in apps {
+        wait_until("the feed's position known", A_WHILE, async || {
+            http.get("/readyz").await.json()["read_your_writes"] == "cache"
+        })
+        .await;
+    }
+}
+
+/// The issue's measurement, as a test: a write by plain SQL, then at once a
+/// read of that post on another instance. With the write's position, no
+/// read returns the old title, and most are answered from the cache; every
+/// answer says a position at or past the write's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_write_then_a_read_at_once_on_another_instance_with_its_position_is_never_old() {
+    let env = TestEnv::new(5).await;
+    let (a, b) = (env.spawn(&REPLICATION).await, env.spawn(&REPLICATION).await);
+    until_positions_known(&[&a.http, &b.http]).await;
+    let counted_before = position_reads(&a.http).await;
+    const TRIALS: usize = 300;
+    let mut from_cache = 0;
+    let mut old_without = 0;
+    for trial in 0..TRIALS {
+        let id = 1 + (trial % 5) as i64;
+        // Both instances hold the post, in memory and in Redis.
+        for http in [&a.http, &b.http] {
+            title(&http.get(&format!("/posts/{id}")).await);
+            title(&http.get(&format!("/posts/{id}")).await);
+        }
+        let (reader, other) = if trial % 2 == 0 {
+            (&b.http, &a.http)
+        } else {
+            (&a.http, &b.http)
+        };
+        let wanted = format!("trial {trial}");
+        let at = write(&env, id, &wanted).await;
+        // Without the header, the old title may come back: counted, to show
+        // what the header is for.
+        let plain = other.get(&format!("/posts/{id}")).await;
+        if title(&plain) != wanted {
+            old_without += 1;
+        }
+        let reply = read_at(
+            reader,
+            &format!("/posts/{id}"),
+            &[("PostCache-Min-LSN", &at)],
+        )
+        .await;
+        assert_eq!(
+            title(&reply),
+            wanted,
+            "trial {trial}: the old title at {at}"
+        );
+        let said = said_position(&reply).expect("a PostCache-LSN");
+        assert!(
+            said >= parse_lsn(&at).unwrap(),
+            "said {} for {at}",
+            format_lsn(said)
+        );
+        if reply.cache_status() != Some("postcache; fwd=bypass; detail=position") {
+            from_cache += 1;
+        }
+    }
+    println!(
+        "{TRIALS} writes each read at once on another instance: 0 old with the position, \
+         {from_cache} from the cache; {old_without} old without it (on the writer's other instance)"
+    );
+    assert!(
+        from_cache * 100 >= TRIALS * 80,
+        "only {from_cache} of {TRIALS} from the cache"
+    );
+    // Both instances run in this process and share its recorder, as do the
+    // other tests of this binary: a difference.
+    assert_eq!(
+        position_reads(&a.http).await - counted_before,
+        TRIALS as f64
+    );
+}
+
+/// Reads that asked for a position, however answered.
+async fn position_reads(http: &Http) -> f64 {
+    let mut counted = 0.0;
+    for answered in ["cache", "wait", "replica", "primary"] {
+        let series = format!("postcache_min_lsn_reads_total{{answered=\"{answered}\"}}");
+        counted += http.metric(&series).await;
+    }
+    counted
+}
+
+/// Every answer of a post says the position it is known fresh at while the
+/// feed's position is known, and it moves on with writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_answer_says_the_position_it_is_fresh_at() {
+    let env = TestEnv::new(3).await;
+    let app = env.spawn(&REPLICATION).await;
+    until_positions_known(&[&app.http]).await;
+    let first = said_position(&app.http.get("/posts/1").await).expect("a position on a miss");
+    let memory = app.http.get("/posts/1").await;
+    assert_eq!(memory.tier(), Some("memory"));
+    assert!(said_position(&memory).expect("a position on a memory hit") >= first);
+    let at = parse_lsn(&write(&env, 2, "moved on").await).unwrap();
+    wait_until("a position past the write", A_WHILE, async || {
+        said_position(&app.http.get("/posts/1").await).is_some_and(|said| said >= at)
+    })
+    .await;
+    let batch = app.http.get("/posts?ids=1,2,3").await;
+    assert_eq!(batch.status, 200);
+    assert!(said_position(&batch).expect("a position on a batch") >= at);
+    let ready = app.http.get("/readyz").await.json();
+    let position = parse_lsn(ready["change_feed_position"].as_str().unwrap()).unwrap();
+    assert!(position >= at);
+}
+
+/// Headers that do not parse, and a position no client can have seen, are
+/// 400s in JSON; the first read that asks for the server's own position is
+/// answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_position_or_bound_that_does_not_parse_or_is_past_the_server_is_a_400() {
+    let env = TestEnv::new(3).await;
+    let app = env.spawn(&REPLICATION).await;
+    until_positions_known(&[&app.http]).await;
+    for path in ["/posts/1", "/posts?ids=1,2"] {
+        for (name, value, says) in [
+            (
+                "PostCache-Min-LSN",
+                "yesterday",
+                "invalid PostCache-Min-LSN",
+            ),
+            ("PostCache-Min-LSN", "0/", "invalid PostCache-Min-LSN"),
+            (
+                "PostCache-Min-LSN",
+                "100000000/0",
+                "invalid PostCache-Min-LSN",
+            ),
+            (
+                "PostCache-Max-Staleness",
+                "250",
+                "invalid PostCache-Max-Staleness",
+            ),
+            (
+                "PostCache-Max-Staleness",
+                "2h",
+                "invalid PostCache-Max-Staleness",
+            ),
+            (
+                "PostCache-Min-LSN",
+                "FFFFFFFF/0",
+                "past the database's WAL position",
+            ),
+        ] {
+            let reply = read_at(&app.http, path, &[(name, value)]).await;
+            assert_eq!(reply.status, 400, "{path} {name}: {value}");
+            assert!(
+                reply.error().contains(says),
+                "{path} {name}: {value}: {}",
+                reply.error()
+            );
+        }
+        let now = write(&env, 1, "now").await;
+        let reply = read_at(&app.http, path, &[("PostCache-Min-LSN", &now)]).await;
+        assert_eq!(reply.status, 200, "{path}: {}", reply.text());
+        let reply = read_at(&app.http, path, &[("PostCache-Min-LSN", "0/0")]).await;
+        assert_eq!(reply.status, 200, "{path}");
+        assert_ne!(
+            reply.cache_status(),
+            Some("postcache; fwd=bypass; detail=position")
+        );
+    }
+}
+
+/// Without a feed that knows its position (CHANGE_FEED=off here; the
+/// trigger mode and a feed down are the same), reads with a position go to
+/// the primary, correct but slower, and `/readyz` says so; plain answers
+/// say no position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_the_feeds_position_reads_with_one_go_to_the_primary() {
+    let env = TestEnv::new(3).await;
+    let app = env
+        .spawn(&["--change-feed", "off", "--cache-ttl", "600s"])
+        .await;
+    assert_eq!(
+        app.http.get("/readyz").await.json()["read_your_writes"],
+        "primary"
+    );
+    title(&app.http.get("/posts/1").await);
+    let plain = app.http.get("/posts/1").await;
+    assert_eq!(plain.x_cache.as_deref(), Some("hit"));
+    assert_eq!(said_position(&plain), None);
+
+    let at = write(&env, 1, "written").await;
+    // The cache still holds the old title (no feed): the position goes past it.
+    assert_ne!(title(&app.http.get("/posts/1").await), "written");
+    let before = app
+        .http
+        .metric("postcache_min_lsn_reads_total{answered=\"primary\"}")
+        .await;
+    let reply = read_at(&app.http, "/posts/1", &[("PostCache-Min-LSN", &at)]).await;
+    assert_eq!(title(&reply), "written");
+    assert_eq!(reply.x_cache.as_deref(), Some("bypass"));
+    assert_eq!(
+        reply.cache_status(),
+        Some("postcache; fwd=bypass; detail=position")
+    );
+    assert!(said_position(&reply).unwrap() >= parse_lsn(&at).unwrap());
+    let batch = read_at(
+        &app.http,
+        "/posts?ids=1,2,99",
+        &[("PostCache-Min-LSN", &at)],
+    )
+    .await;
+    assert_eq!(batch.status, 200);
+    let body = batch.json();
+    assert_eq!(body["posts"][0]["title"], "written");
+    assert_eq!(body["not_found"], serde_json::json!([99]));
+    let missing = read_at(&app.http, "/posts/99", &[("PostCache-Min-LSN", &at)]).await;
+    assert_eq!(missing.status, 404);
+    let bounded = read_at(&app.http, "/posts/1", &[("PostCache-Max-Staleness", "10s")]).await;
+    assert_eq!(title(&bounded), "written");
+    let after = app
+        .http
+        .metric("postcache_min_lsn_reads_total{answered=\"primary\"}")
+        .await;
+    assert_eq!(after - before, 4.0);
+    // Nothing read past the cache was stored.
+    assert_ne!(title(&app.http.get("/posts/1").await), "written");
+}
+
+/// A staleness bound the feed meets is served from the cache; one it does
+/// not (the decoder's beats stopped, as when no decoder keeps up) goes past.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_staleness_bound_is_served_from_the_cache_while_the_feed_keeps_up() {
+    let env = TestEnv::new(3).await;
+    let app = env.spawn(&REPLICATION).await;
+    until_positions_known(&[&app.http]).await;
+    title(&app.http.get("/posts/1").await);
+    let reply = read_at(&app.http, "/posts/1", &[("PostCache-Max-Staleness", "1s")]).await;
+    assert_eq!(reply.tier(), Some("memory"), "{:?}", reply.cache_status());
+    assert!(said_position(&reply).is_some());
+    // Beats come every 100 ms: a bound of 1 ms is met only by chance, and a
+    // read that does not meet it goes past the cache.
+    let mut past = 0;
+    for _ in 0..20 {
+        let reply = read_at(&app.http, "/posts/1", &[("PostCache-Max-Staleness", "1ms")]).await;
+        title(&reply);
+        if reply.cache_status() == Some("postcache; fwd=bypass; detail=position") {
+            past += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(7)).await;
+    }
+    assert!(past >= 10, "{past} of 20 went past the cache");
+}
+
+/// The fail-safe copy a failed load serves may be the version from before
+/// a change: it says no position, and a read with the change's position
+/// never gets it (it reads past the cache, and fails while the database
+/// does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_copy_is_never_the_answer_to_a_position() {
+    let env = TestEnv::new(3).await;
+    let app = env
+        .spawn(&[
+            "--change-feed",
+            "replication",
+            "--max-stale",
+            "1h",
+            "--failure-ttl",
+            "30s",
+        ])
+        .await;
+    until_positions_known(&[&app.http]).await;
+    let before = title(&app.http.get("/posts/1").await);
+    let at = write(&env, 1, "after the copy").await;
+    let lsn = parse_lsn(&at).unwrap();
+    wait_until("the feed past the write", A_WHILE, async || {
+        let ready = app.http.get("/readyz").await.json();
+        ready["change_feed_position"]
+            .as_str()
+            .and_then(parse_lsn)
+            .is_some_and(|at| at >= lsn)
+    })
+    .await;
+    env.break_posts(true).await;
+    app.stop_pool_connections().await;
+    let plain = app.http.get("/posts/1").await;
+    let asked = read_at(&app.http, "/posts/1", &[("PostCache-Min-LSN", &at)]).await;
+    env.break_posts(false).await;
+
+    assert_eq!(plain.x_cache.as_deref(), Some("stale"), "{}", plain.text());
+    assert_eq!(title(&plain), before, "the copy from before the write");
+    assert_eq!(said_position(&plain), None);
+    assert_eq!(asked.status, 503, "{}", asked.text());
+}
