@@ -53,7 +53,9 @@ pub enum ApiError {
         "invalid PostCache-Min-LSN: a WAL position as PostgreSQL prints it, such as 0/16B3748"
     )]
     InvalidMinLsn,
-    #[error("invalid PostCache-Max-Staleness: a duration such as 250ms or 2s, at most an hour")]
+    #[error(
+        "invalid PostCache-Max-Staleness: a number of milliseconds or seconds, such as 250ms or 2s"
+    )]
     InvalidMaxStaleness,
     #[error("PostCache-Min-LSN {asked} is past the database's WAL position {server}: not a position a client can have seen")]
     MinLsnAhead { asked: String, server: String },

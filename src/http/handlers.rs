@@ -132,11 +132,10 @@ pub fn post_read<B>(request: &Request<B>) -> Option<PostId> {
         ("PostCache-Min-LSN" = Option<String>, Header, example = "0/16B3748",
          description = "Read your writes: a WAL position (`pg_current_wal_lsn()` after the client's commit); the answer reflects every commit at or before it. From the cache once this instance's change feed has passed it, after a wait of at most MIN_LSN_WAIT for it, else read past the cache (a replica that has replayed it, or the primary). A position past the database's WAL is a 400"),
         ("PostCache-Max-Staleness" = Option<String>, Header, example = "250ms",
-         description = "Bounded staleness: a duration (`250ms`, `2s`, at most an hour); if this instance has not heard its change feed keep up within it, the read goes past the cache"),
+         description = "Bounded staleness: milliseconds or seconds (`250ms`, `2s`); unless this instance heard its change feed say, within it, that it was level with the server, the read goes to the primary"),
     ),
     responses(
-        (status = 200, description = "The post", body = Post,
-         headers(("PostCache-LSN" = Option<String>, description = "The WAL position the answer is known fresh at (every commit up to it is reflected), while this instance knows one (the change feed up in replication mode, or a read past the cache): send it as PostCache-Min-LSN to read at least as fresh elsewhere"))),
+        (status = 200, description = "The post", body = Post),
         (status = 304, description = "Not modified: the post's ETag is among If-None-Match's"),
         (status = 400, description = "Invalid id (also `GET /posts/`, an empty id), or an invalid PostCache-Min-LSN or PostCache-Max-Staleness, or a PostCache-Min-LSN past the database's WAL position", body = ErrorBody),
         (status = 404, description = "No such post (cached as such for NEGATIVE_TTL, or known missing by the existence guard: X-Cache-Tier guard)", body = ErrorBody),
@@ -302,10 +301,13 @@ pub(super) async fn read_past(
 
 /// What a read past the cache says of itself, beside a bypass's headers.
 pub(super) fn past_headers(headers: &mut HeaderMap) {
-    headers.insert(X_CACHE_BYPASS, HeaderValue::from_static("position"));
+    headers.insert(
+        X_CACHE_BYPASS,
+        HeaderValue::from_static(served::PAST_BYPASS),
+    );
     headers.insert(
         CACHE_STATUS,
-        HeaderValue::from_static("postcache; fwd=bypass; detail=position"),
+        HeaderValue::from_static(served::PAST_CACHE_STATUS),
     );
 }
 

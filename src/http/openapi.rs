@@ -22,7 +22,7 @@ use utoipa::{
 };
 use utoipa_axum::router::OpenApiRouter;
 
-use super::{error::ErrorBody, handlers, many, served, AppState};
+use super::{error::ErrorBody, handlers, many, position, served, AppState};
 use crate::read_path::Served;
 
 /// The document's fixed parts; the paths come from the routes.
@@ -63,7 +63,41 @@ pub fn document() -> Document {
     {
         document_cache_headers(read);
     }
+    for path in [POSTS_PATH, "/posts"] {
+        if let Some(read) = doc
+            .paths
+            .paths
+            .get_mut(path)
+            .and_then(|item| item.get.as_mut())
+        {
+            document_position_headers(read);
+        }
+    }
     doc
+}
+
+/// The request headers of a read that asks for a position: strings of the
+/// patterns `position.rs` parses exactly (never null: an absent header is
+/// how a request asks for nothing).
+fn document_position_headers(read: &mut Operation) {
+    for parameter in read.parameters.iter_mut().flatten() {
+        // The lengths say again what the patterns do, for a checker that
+        // judges by them alone.
+        let (pattern, lengths) = match parameter.name.as_str() {
+            "PostCache-Min-LSN" => (position::LSN_PATTERN, (3, 17)),
+            "PostCache-Max-Staleness" => (position::STALENESS_PATTERN, (2, 12)),
+            _ => continue,
+        };
+        parameter.schema = Some(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .pattern(Some(pattern))
+                .min_length(Some(lengths.0))
+                .max_length(Some(lengths.1))
+                .build()
+                .into(),
+        );
+    }
 }
 
 /// The path of the post reads, as documented and routed.
@@ -84,8 +118,10 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
     };
     let x_cache = values(|s| Some(served::header(s)));
     let tiers = values(served::hit_tier);
-    let bypass_reasons = values(served::bypass_reason);
-    let cache_status = values(|s| Some(served::cache_status(s)));
+    let mut bypass_reasons = values(served::bypass_reason);
+    bypass_reasons.push(served::PAST_BYPASS);
+    let mut cache_status = values(|s| Some(served::cache_status(s)));
+    cache_status.push(served::PAST_CACHE_STATUS);
     let one_of = |values: Vec<&str>| {
         ObjectBuilder::new()
             .schema_type(Type::String)
@@ -119,7 +155,8 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
                  PostgreSQL (`collapsed` when not by this request's own load: `detail=local` \
                  it joined a flight of this process, `detail=fleet` its flight was answered \
                  by another instance's load), `fwd=bypass` loaded without the cache (Redis \
-                 skipped, or `detail=too-large`).",
+                 skipped, `detail=too-large`, or `detail=position`: read past the cache for \
+                 PostCache-Min-LSN or PostCache-Max-Staleness).",
             ),
         ),
         (
@@ -127,7 +164,9 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
             header(
                 one_of(bypass_reasons).into(),
                 "Why a bypass skipped the cache, when not because Redis failed: `too-large`, \
-                 the post's JSON is over MAX_ENTRY_BYTES (served from PostgreSQL, never cached).",
+                 the post's JSON is over MAX_ENTRY_BYTES (served from PostgreSQL, never cached); \
+                 `position`, read past the cache for PostCache-Min-LSN or \
+                 PostCache-Max-Staleness.",
             ),
         ),
         (
@@ -171,6 +210,20 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
                     .build()
                     .into(),
                 "Seconds since the entry was stored.",
+            ),
+        ),
+        (
+            "PostCache-LSN",
+            header(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .pattern(Some("^[0-9A-F]{1,8}/[0-9A-F]{1,8}$"))
+                    .build()
+                    .into(),
+                "The WAL position the answer is known fresh at (every commit up to it is \
+                 reflected), while this instance knows one (the change feed up in replication \
+                 mode, or a read past the cache; never on a stale copy): send it as \
+                 PostCache-Min-LSN to read at least as fresh elsewhere.",
             ),
         ),
         (

@@ -52,6 +52,12 @@ pub fn cache_status(served: Served) -> &'static str {
     }
 }
 
+/// `X-Cache-Bypass` of a read past the cache for a position or a staleness
+/// bound the cache could not vouch for (see `position.rs`).
+pub const PAST_BYPASS: &str = "position";
+/// `Cache-Status` of such a read.
+pub const PAST_CACHE_STATUS: &str = "postcache; fwd=bypass; detail=position";
+
 /// The `X-Cache-Bypass` header: why a bypass skipped the cache, where
 /// that is not Redis failing.
 pub fn bypass_reason(served: Served) -> Option<&'static str> {
