@@ -183,7 +183,7 @@ pub async fn read_post_wanted(
 ) -> Response {
     let started = Instant::now();
     let past = match route(state, wanted).await {
-        Route::Cache { at, .. } => {
+        Route::Cache { at, waited } => {
             let read = state.read_path.read(id.get()).await;
             // A stale copy (the fail-safe copy of a failed load may be the
             // version before a change) is no answer to a position.
@@ -191,6 +191,7 @@ pub async fn read_post_wanted(
                 .as_ref()
                 .is_ok_and(|answer| answer.served == Served::Stale)
             {
+                from_cache(waited);
                 return answered(state, read, &validators, started, at);
             }
             read_past(state, &[id.get()], wanted).await
@@ -241,13 +242,14 @@ fn answered(
 }
 
 /// Where a read that asked for a position or a staleness bound is answered
-/// from, counted.
+/// from (counted once answered: see [`from_cache`] and [`read_past`]).
 pub(super) async fn route(state: &AppState, wanted: Wanted) -> Route {
-    let route = position::route(state.feed.beats(), wanted, state.min_lsn_wait).await;
-    if let Route::Cache { waited, .. } = route {
-        metrics::position_read(if waited { "wait" } else { "cache" });
-    }
-    route
+    position::route(state.feed.beats(), wanted, state.min_lsn_wait).await
+}
+
+/// Counts a read that asked for a position as answered from the cache.
+pub(super) fn from_cache(waited: bool) {
+    metrics::position_read(if waited { "wait" } else { "cache" });
 }
 
 /// Reads `ids` past the cache, at a position at least the one `wanted`

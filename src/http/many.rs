@@ -126,10 +126,14 @@ pub async fn get_posts(
         }
         Some(wanted) => {
             let cached = match handlers::route(&state, *wanted).await {
-                Route::Cache { at, .. } => {
+                Route::Cache { at, waited } => {
                     let answers = state.read_path.read_many(keys.clone()).await;
                     // A stale copy is no answer to a position.
-                    (!stale(&answers)).then_some((answers, Some(at), false))
+                    let cached = !stale(&answers);
+                    if cached {
+                        handlers::from_cache(waited);
+                    }
+                    cached.then_some((answers, Some(at), false))
                 }
                 Route::Past => None,
             };

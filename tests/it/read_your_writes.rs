@@ -325,11 +325,15 @@ async fn a_stale_copy_is_never_the_answer_to_a_position() {
     env.break_posts(true).await;
     app.stop_pool_connections().await;
     let plain = app.http.get("/posts/1").await;
+    let counted_before = position_reads(&app.http).await;
     let asked = read_at(&app.http, "/posts/1", &[("PostCache-Min-LSN", &at)]).await;
+    let counted = position_reads(&app.http).await - counted_before;
     env.break_posts(false).await;
 
     assert_eq!(plain.x_cache.as_deref(), Some("stale"), "{}", plain.text());
     assert_eq!(title(&plain), before, "the copy from before the write");
     assert_eq!(said_position(&plain), None);
     assert_eq!(asked.status, 503, "{}", asked.text());
+    // Not counted as answered from the cache: it was not, nor answered.
+    assert_eq!(counted, 0.0);
 }
