@@ -3,9 +3,12 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, path::PathBuf, time::Duration};
 
-use postcache::testkit::{
-    history::{explain, History, PositionRead, Problem, Read, Unmet, Verdict, Window},
-    quantile,
+use postcache::{
+    http::position::format_lsn,
+    testkit::{
+        history::{explain, History, PositionRead, Problem, Read, Unmet, Verdict, Window},
+        quantile,
+    },
 };
 
 use crate::{faults::Kind, readers::Convergence, readers::Errors, writers::Tally, Args};
@@ -183,10 +186,9 @@ impl Report<'_> {
             let r = &p.read;
             let _ = writeln!(
                 w,
-                "- post {} at position {:X}/{:X}, read {}–{} on instance {}: saw {:?}, owed version {} ({}; {})",
+                "- post {} at position {}, read {}–{} on instance {}: saw {:?}, owed version {} ({}; {})",
                 r.post,
-                p.min_lsn >> 32,
-                p.min_lsn & 0xFFFF_FFFF,
+                format_lsn(p.min_lsn),
                 ms(r.began),
                 ms(r.ended),
                 r.instance,

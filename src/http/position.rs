@@ -297,13 +297,39 @@ mod tests {
 
     /// What parses is what the OpenAPI document's patterns say (the API
     /// fuzzer holds the service to both: nothing they allow refused,
-    /// nothing else accepted).
+    /// nothing else accepted): each string below is marked by whether the
+    /// pattern, read by hand, matches it.
     #[test]
     fn the_patterns_say_what_parses() {
         assert_eq!(LSN_PATTERN, "^[0-9A-Fa-f]{1,8}/[0-9A-Fa-f]{1,8}$");
-        assert!(parse_lsn("aBc/0").is_some() && parse_lsn("123456789/0").is_none());
+        for (text, matches) in [
+            ("0/0", true),
+            ("aBc/0", true),
+            ("FFFFFFFF/FFFFFFFF", true),
+            ("00000000/00000001", true),
+            ("123456789/0", false),
+            ("0/123456789", false),
+            ("0", false),
+            ("g/0", false),
+            ("0/0 ", false),
+            ("/", false),
+        ] {
+            assert_eq!(parse_lsn(text).is_some(), matches, "{text:?}");
+        }
         assert_eq!(STALENESS_PATTERN, "^[0-9]{1,10}(ms|s)$");
-        assert!(parse_staleness("0000000000ms").is_some());
+        for (text, matches) in [
+            ("0s", true),
+            ("0000000000ms", true),
+            ("9999999999s", true),
+            ("12345678901ms", false),
+            ("1", false),
+            ("1m", false),
+            ("1 s", false),
+            ("s", false),
+            ("1sms", false),
+        ] {
+            assert_eq!(parse_staleness(text).is_some(), matches, "{text:?}");
+        }
     }
 
     #[test]
