@@ -5,9 +5,7 @@ use std::time::{Duration, Instant};
 use axum::{
     body::Body,
     extract::{rejection::PathRejection, FromRequestParts, Path, State},
-    http::{
-        header, request::Parts, HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode,
-    },
+    http::{header, request::Parts, HeaderMap, HeaderValue, Method, Request, StatusCode},
     response::{IntoResponse, Response},
     Json,
 };
@@ -17,6 +15,7 @@ use utoipa::ToSchema;
 use super::{
     caching::CachingHeaders,
     error::{ApiError, ErrorBody},
+    head,
     position::{self, Route, Wanted},
     served, AppState,
 };
@@ -27,10 +26,6 @@ use crate::{
     telemetry::metrics,
 };
 
-const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
-const X_CACHE_TIER: HeaderName = HeaderName::from_static("x-cache-tier");
-const X_CACHE_BYPASS: HeaderName = HeaderName::from_static("x-cache-bypass");
-const CACHE_STATUS: HeaderName = HeaderName::from_static("cache-status");
 /// RFC 7234 warning codes, kept as the marker of stale answers.
 pub const WARNING_STALE: &str = "110 - \"Response is Stale\"";
 pub const WARNING_REVALIDATION_FAILED: &str = "111 - \"Revalidation Failed\"";
@@ -56,6 +51,21 @@ impl IfNoneMatch {
                 .cloned()
                 .collect(),
         )
+    }
+
+    /// The values of a read that asks for nothing else, taken in one pass
+    /// over the request's headers (a lookup per name would hash each);
+    /// `None` for a read that asks for a position or a staleness bound.
+    pub fn of_plain_read(headers: &HeaderMap) -> Option<Self> {
+        let mut values = Vec::new();
+        for (name, value) in headers {
+            if name == header::IF_NONE_MATCH {
+                values.push(value.clone());
+            } else if name == position::MIN_LSN || name == position::MAX_STALENESS {
+                return None;
+            }
+        }
+        Some(Self(values))
     }
 
     /// Whether one of the values names `ours` (weak comparison, RFC 9110
@@ -93,17 +103,13 @@ impl IfNoneMatch {
 /// (see `position.rs`).
 pub fn memory_hit<B>(state: &AppState, request: &Request<B>) -> Option<Response> {
     let id = post_read(request)?;
-    let headers = request.headers();
-    if headers.contains_key(position::MIN_LSN) || headers.contains_key(position::MAX_STALENESS) {
-        return None;
-    }
+    let validators = IfNoneMatch::of_plain_read(request.headers())?;
     let started = Instant::now();
     // Read before the tier: every change up to it was applied there.
-    let at = state.feed.beats().position();
+    let at = state.feed.beats().position_at(started);
     // One reading of the clock for the tier's judgement and the headers.
     let now = now_millis();
     let answer = state.read_path.memory_hit(&id.get(), now)?;
-    let validators = IfNoneMatch::from_headers(headers);
     Some(counted(state, &answer, &validators, started, now, at))
 }
 
@@ -166,7 +172,7 @@ pub async fn read_post(state: &AppState, id: PostId, validators: IfNoneMatch) ->
     // Read before the read: every change up to it is in the cache. Kept as
     // a plain number across the read, which every waiting request holds
     // (0: none known; no position is 0).
-    let at = state.feed.beats().position().unwrap_or(0);
+    let at = state.feed.beats().position_at(started).unwrap_or(0);
     let read = state.read_path.read(id.get()).await;
     answered(state, read, &validators, started, at)
 }
@@ -304,12 +310,12 @@ pub(super) async fn read_past(
 /// What a read past the cache says of itself, beside a bypass's headers.
 pub(super) fn past_headers(headers: &mut HeaderMap) {
     headers.insert(
-        X_CACHE_BYPASS,
-        HeaderValue::from_static(served::PAST_BYPASS),
+        served::X_CACHE_BYPASS,
+        const { HeaderValue::from_static(served::PAST_BYPASS) },
     );
     headers.insert(
-        CACHE_STATUS,
-        HeaderValue::from_static(served::PAST_CACHE_STATUS),
+        served::CACHE_STATUS,
+        const { HeaderValue::from_static(served::PAST_CACHE_STATUS) },
     );
 }
 
@@ -327,82 +333,78 @@ fn counted(
     let label = served::label(answer.served, answer.entry().status());
     tracing::Span::current().record("outcome", label);
     metrics::request(label, served::tier_label(answer.served), started.elapsed());
-    let mut response = respond(answer, validators, &state.caching, now);
-    if let Some(at) = at {
-        response
-            .headers_mut()
-            .insert(position::LSN, position::lsn_header(at));
-    }
-    response
+    respond(answer, validators, &state.caching, now, at)
 }
 
 /// The response for an entry: body or 404, with the HTTP caching headers
-/// (RFC 9111 / RFC 5861) and a 304 for a matching `If-None-Match`.
+/// (RFC 9111 / RFC 5861) and a 304 for a matching `If-None-Match`; `at`:
+/// the position it is known fresh at, for `PostCache-LSN`.
 pub(super) fn respond(
     answer: &Answer,
     validators: &IfNoneMatch,
     caching: &CachingHeaders,
     now: u64,
+    at: Option<u64>,
 ) -> Response {
     let entry = answer.entry();
     let found = entry.status() == Status::Found;
+    let max_age = entry.fresh_until().saturating_sub(now) / 1000;
+    let age = now.saturating_sub(entry.stored_at()) / 1000;
+    let matched = found && if_none_match(validators, entry);
+    // A hit: its head is kept, rendered (see `head.rs`).
+    if found && !matched {
+        let changing = head::Changing {
+            cache_control: caching.cache_control(max_age),
+            age: caching.age(age),
+            lsn: at.map(position::lsn_header),
+        };
+        if let Some(headers) = head::hit(entry.etag(), answer.served, changing) {
+            let mut response = Response::new(Body::from(entry.body()));
+            *response.headers_mut() = headers;
+            return response;
+        }
+    }
     // An answer is found or not found, never a failure (`Answer::new`).
     let mut response = if !found {
         with_room(ApiError::PostNotFound.into_response())
-    } else if if_none_match(validators, entry) {
+    } else if matched {
         with_room(StatusCode::NOT_MODIFIED.into_response())
     } else {
         let mut response = Response::new(Body::from(entry.body()));
-        *response.headers_mut() = HeaderMap::with_capacity(HEADERS);
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
+        *response.headers_mut() = HeaderMap::with_capacity(head::HEADERS);
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, head::JSON);
         response
     };
     let headers = response.headers_mut();
-    headers.insert(
-        X_CACHE,
-        HeaderValue::from_static(served::header(answer.served)),
-    );
-    headers.insert(
-        CACHE_STATUS,
-        HeaderValue::from_static(served::cache_status(answer.served)),
-    );
-    if let Some(tier) = served::hit_tier(answer.served) {
-        headers.insert(X_CACHE_TIER, HeaderValue::from_static(tier));
-    }
-    if let Some(reason) = served::bypass_reason(answer.served) {
-        headers.insert(X_CACHE_BYPASS, HeaderValue::from_static(reason));
-    }
-    let max_age = entry.fresh_until().saturating_sub(now) / 1000;
-    let age = now.saturating_sub(entry.stored_at()) / 1000;
+    head::tier_headers(headers, answer.served);
     headers.insert(header::CACHE_CONTROL, caching.cache_control(max_age));
     headers.insert(header::AGE, caching.age(age));
     if found {
-        headers.insert(header::ETAG, etag_header(entry));
+        headers.insert(header::ETAG, head::etag_value(entry.etag()));
     }
     if answer.served == Served::Stale {
         let warning = if entry.is_backoff() {
-            WARNING_REVALIDATION_FAILED
+            const { HeaderValue::from_static(WARNING_REVALIDATION_FAILED) }
         } else {
-            WARNING_STALE
+            const { HeaderValue::from_static(WARNING_STALE) }
         };
-        headers.insert(header::WARNING, HeaderValue::from_static(warning));
+        headers.insert(header::WARNING, warning);
+    }
+    if let Some(at) = at {
+        headers.insert(position::LSN, position::lsn_header(at));
     }
     response
 }
 
-/// Headers an answer carries at most: content type, X-Cache, Cache-Status,
-/// X-Cache-Tier or X-Cache-Bypass, Cache-Control, Age, ETag, Warning,
-/// PostCache-LSN. The map is made this large at once: one that starts
-/// small (room for 6) and grows on the seventh insert reallocates and
-/// rehashes on every answer.
-const HEADERS: usize = 9;
-
-/// `response` with its headers moved into a map with room for [`HEADERS`].
+/// `response` with its headers moved into a map with room for every header
+/// an answer carries.
 fn with_room(mut response: Response) -> Response {
-    let small = std::mem::replace(response.headers_mut(), HeaderMap::with_capacity(HEADERS));
+    let small = std::mem::replace(
+        response.headers_mut(),
+        HeaderMap::with_capacity(head::HEADERS),
+    );
     response.headers_mut().extend(small);
     response
 }
@@ -414,24 +416,7 @@ pub(super) fn etag_value(etag: String) -> Option<HeaderValue> {
 
 /// The strong validator of an entry's body, as the `ETag` header shows it.
 pub fn etag(entry: &Entry) -> String {
-    String::from_utf8_lossy(&quoted_hex(entry.etag())).into_owned()
-}
-
-/// [`etag`] as a header value, put together on the stack: every found
-/// answer carries one, and `format!` with its growing string was most of
-/// the allocator's work on a hit.
-fn etag_header(entry: &Entry) -> HeaderValue {
-    HeaderValue::from_bytes(&quoted_hex(entry.etag())).expect("quotes and hex digits")
-}
-
-/// `"` + 16 lower-case hex digits + `"`.
-fn quoted_hex(n: u64) -> [u8; 18] {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut out = [b'"'; 18];
-    for (i, digit) in out[1..17].iter_mut().enumerate() {
-        *digit = HEX[((n >> (60 - 4 * i)) & 0xf) as usize];
-    }
-    out
+    String::from_utf8_lossy(&head::quoted_hex(entry.etag())).into_owned()
 }
 
 /// Whether `If-None-Match` names this entry (weak comparison, RFC 9110 13.1.2).
@@ -602,10 +587,6 @@ mod tests {
 
     #[test]
     fn the_etag_is_the_quoted_hex_of_the_entry_s_validator() {
-        for n in [0, 1, 0xf, 0x0123_4567_89ab_cdef, u64::MAX, 1 << 63] {
-            let expected = format!("\"{n:016x}\"");
-            assert_eq!(quoted_hex(n).as_slice(), expected.as_bytes());
-        }
         let entry = Entry::new(
             Status::Found,
             br#"{"id":1}"#,
@@ -614,6 +595,6 @@ mod tests {
         );
         let expected = format!("\"{:016x}\"", entry.etag());
         assert_eq!(etag(&entry), expected);
-        assert_eq!(etag_header(&entry), expected.as_str());
+        assert_eq!(head::etag_value(entry.etag()), expected.as_str());
     }
 }

@@ -8,6 +8,7 @@ mod caching;
 mod endpoint;
 mod error;
 mod handlers;
+mod head;
 mod many;
 pub mod openapi;
 pub mod position;

@@ -381,6 +381,7 @@ mod tests {
                             &validators,
                             &caching,
                             crate::cache::now_millis(),
+                            Some(0x16B_3748),
                         );
                         let headers = documented(&doc, response.status());
                         for (name, value) in response.headers() {

@@ -2,7 +2,22 @@
 //! `X-Cache-Tier` and `Cache-Status` headers and the `outcome` and `tier`
 //! labels of the request metrics.
 
+use axum::http::{HeaderName, HeaderValue};
+
 use crate::{cache::Status, read_path::Served};
+
+pub const X_CACHE: HeaderName = HeaderName::from_static("x-cache");
+pub const X_CACHE_TIER: HeaderName = HeaderName::from_static("x-cache-tier");
+pub const X_CACHE_BYPASS: HeaderName = HeaderName::from_static("x-cache-bypass");
+pub const CACHE_STATUS: HeaderName = HeaderName::from_static("cache-status");
+
+/// A `'static` string as a header value, checked once, when compiled: a
+/// value made at run time is checked byte by byte on every answer.
+macro_rules! value {
+    ($text:expr) => {
+        const { HeaderValue::from_static($text) }
+    };
+}
 
 /// Every way an answer is served: the values the OpenAPI document lists,
 /// and what the tests go through.
@@ -52,6 +67,32 @@ pub fn cache_status(served: Served) -> &'static str {
     }
 }
 
+/// [`header`] as a header value.
+pub fn header_value(served: Served) -> HeaderValue {
+    match served {
+        Served::Memory | Served::Hit | Served::KnownMissing => value!("hit"),
+        Served::Stale => value!("stale"),
+        Served::Miss => value!("miss"),
+        Served::CoalescedLocal | Served::CoalescedRemote => value!("coalesced"),
+        Served::Bypass | Served::TooLarge => value!("bypass"),
+    }
+}
+
+/// [`cache_status`] as a header value.
+pub fn cache_status_value(served: Served) -> HeaderValue {
+    match served {
+        Served::Memory => value!("postcache; hit; detail=memory"),
+        Served::Hit => value!("postcache; hit; detail=redis"),
+        Served::Stale => value!("postcache; hit; detail=stale"),
+        Served::KnownMissing => value!("postcache; hit; detail=existence-guard"),
+        Served::Miss => value!("postcache; fwd=miss"),
+        Served::CoalescedLocal => value!("postcache; fwd=miss; collapsed; detail=local"),
+        Served::CoalescedRemote => value!("postcache; fwd=miss; collapsed; detail=fleet"),
+        Served::Bypass => value!("postcache; fwd=bypass"),
+        Served::TooLarge => value!("postcache; fwd=bypass; detail=too-large"),
+    }
+}
+
 /// `X-Cache-Bypass` of a read past the cache for a position or a staleness
 /// bound the cache could not vouch for (see `position.rs`).
 pub const PAST_BYPASS: &str = "position";
@@ -63,6 +104,14 @@ pub const PAST_CACHE_STATUS: &str = "postcache; fwd=bypass; detail=position";
 pub fn bypass_reason(served: Served) -> Option<&'static str> {
     match served {
         Served::TooLarge => Some("too-large"),
+        _ => None,
+    }
+}
+
+/// [`bypass_reason`] as a header value.
+pub fn bypass_reason_value(served: Served) -> Option<HeaderValue> {
+    match served {
+        Served::TooLarge => Some(value!("too-large")),
         _ => None,
     }
 }
@@ -89,6 +138,16 @@ pub fn hit_tier(served: Served) -> Option<&'static str> {
         Served::Memory => Some("memory"),
         Served::Hit => Some("redis"),
         Served::KnownMissing => Some("guard"),
+        _ => None,
+    }
+}
+
+/// [`hit_tier`] as a header value.
+pub fn hit_tier_value(served: Served) -> Option<HeaderValue> {
+    match served {
+        Served::Memory => Some(value!("memory")),
+        Served::Hit => Some(value!("redis")),
+        Served::KnownMissing => Some(value!("guard")),
         _ => None,
     }
 }
@@ -124,5 +183,25 @@ mod tests {
             }
         }
         assert!(REQUEST_LABELS.contains(&("error", "none")));
+    }
+
+    /// The header values, made when compiled, say what the strings say
+    /// (the OpenAPI document lists the strings).
+    #[test]
+    fn the_values_are_the_strings() {
+        for served in ALL {
+            assert_eq!(header_value(served), header(served));
+            assert_eq!(cache_status_value(served), cache_status(served));
+            assert_eq!(
+                hit_tier_value(served).as_ref().map(|v| v.to_str().unwrap()),
+                hit_tier(served)
+            );
+            assert_eq!(
+                bypass_reason_value(served)
+                    .as_ref()
+                    .map(|v| v.to_str().unwrap()),
+                bypass_reason(served)
+            );
+        }
     }
 }

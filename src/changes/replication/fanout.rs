@@ -296,10 +296,16 @@ impl Beats {
     }
 
     fn age(&self, at: u64) -> Option<Duration> {
+        self.age_at(at, Instant::now())
+    }
+
+    /// How long before `now` the instant `at` (as `beat_at` counts) was.
+    fn age_at(&self, at: u64, now: Instant) -> Option<Duration> {
         match at {
             0 => None,
             at => Some(Duration::from_millis(
-                (self.epoch.elapsed().as_millis() as u64 + 1).saturating_sub(at),
+                (now.saturating_duration_since(self.epoch).as_millis() as u64 + 1)
+                    .saturating_sub(at),
             )),
         }
     }
@@ -308,8 +314,18 @@ impl Beats {
     /// decoder keeps up (`None` otherwise: in another mode, or with the
     /// feed down, nothing is known).
     pub fn position(&self) -> Option<u64> {
+        self.position_at(Instant::now())
+    }
+
+    /// [`Beats::position`], judged at `now`: a request that has read the
+    /// clock already spares a reading.
+    pub fn position_at(&self, now: Instant) -> Option<u64> {
         let applied = self.applied.load(Ordering::SeqCst);
-        (applied > 0 && self.fresh()).then_some(applied)
+        let fresh = || {
+            self.age_at(self.beat_at.load(Ordering::SeqCst), now)
+                .is_some_and(|age| age < BEAT_STALE)
+        };
+        (applied > 0 && fresh()).then_some(applied)
     }
 
     /// Waits until this instance has applied every change up to `lsn`, for
