@@ -190,10 +190,13 @@ pub struct RedisCluster {
     nodes: Vec<Option<Child>>,
 }
 
-/// A port free for the node and for its cluster bus (port + 10000).
+/// A port free for the node and for its cluster bus (port + 10000), both
+/// below Linux's ephemeral ports (32768 and up by default): a port found
+/// free there could be taken by an outgoing connection before the node
+/// binds it, and the node would never start.
 fn free_cluster_port(taken: &[u16]) -> u16 {
     loop {
-        let port = 20_000 + (rand::random::<u16>() % 20_000);
+        let port = 12_000 + (rand::random::<u16>() % 10_000);
         if !taken.contains(&port)
             && StdListener::bind(("127.0.0.1", port)).is_ok()
             && StdListener::bind(("127.0.0.1", port + 10_000)).is_ok()
