@@ -34,6 +34,17 @@ def build(args, *extra, only_if_stale=False):
     return binary
 
 
+def build_with_example(args, name):
+    """build(), then the release example name, built apart (built together,
+    the binary would get the examples' testkit feature) unless --no-build;
+    returns both paths."""
+    binary = build(args)
+    if not args.no_build:
+        subprocess.run(["cargo", "build", "--release", "--example", name], cwd=kit.ROOT, check=True,
+                       timeout=3600)
+    return binary, example(name)
+
+
 def example(name):
     """The path of a release example (built by build() or by the caller)."""
     path = os.path.join(kit.ROOT, "target", "release", "examples", name)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from .. import kit
 from ..cpu import tree_cpu
@@ -26,6 +27,10 @@ def add_parser(sub, common):
     s.add_argument("--rounds", type=int, default=6, help="rounds per tier (default 6)")
     s.add_argument("--seconds", type=int, default=5, help="seconds per wrk run (default 5)")
     s.add_argument("--connections", type=int, default=64, help="wrk connections (default 64)")
+    s.add_argument("--together", action="store_true",
+                   help="load both at once (a wrk of one thread each) instead of in turn: both then share "
+                        "every moment of the machine's noise, which the CPU per request's ratio cancels")
+    s.add_argument("--out", help="the results file's name (default hit-ab.md)")
     s.set_defaults(run=run)
 
 
@@ -40,11 +45,13 @@ def run(args):
     if not os.access(old, os.X_OK):
         sys.exit(f"error: {old} is not an executable")
     prepare_database(new, CAPACITY_DB)
+    how = ("both loaded at once in every round, by a wrk of one thread and half the connections each"
+           if args.together else
+           "wrk (2 threads) alternates between them (old first in odd rounds, new first in even ones)")
     lines = [f"# Hit path A/B, {kit.DAY}", "",
              f"`load/compare hit-ab --old <binary> --rounds {args.rounds} --seconds {args.seconds} "
-             f"--connections {args.connections}`, {os.cpu_count()} cores, wrk (2 threads) on the same cores; "
-             "both binaries run at once, wrk alternates between them (old first in odd rounds, new first "
-             "in even ones). `GET /posts/1`, warm.", ""]
+             f"--connections {args.connections}{' --together' if args.together else ''}`, {os.cpu_count()} "
+             f"cores, wrk on the same cores; both binaries run at once, {how}. `GET /posts/1`, warm.", ""]
     for tier, settings in (("memory tier", {}), ("Redis tier (L1_MAX_BYTES=0)", {"L1_MAX_BYTES": "0"})):
         kit.log(f"== {tier}")
         urls, pids = {}, {}
@@ -61,7 +68,16 @@ def run(args):
         for r in range(args.rounds):
             order = ("old", "new") if r % 2 == 0 else ("new", "old")
             got = {}
-            for name in order:
+            if args.together:
+                before = {name: tree_cpu(pids[name]) for name in order}
+                with ThreadPoolExecutor(2) as pool:
+                    runs = {name: pool.submit(wrk_run, wrk, urls[name], args.seconds, args.connections // 2,
+                                              threads=1) for name in order}
+                    done = {name: run.result() for name, run in runs.items()}
+                for name in order:
+                    got[name], total = done[name]
+                    cpu[name].append((tree_cpu(pids[name]) - before[name]) * 1e6 / total)
+            for name in order if not args.together else ():
                 before = tree_cpu(pids[name])
                 got[name], total = wrk_run(wrk, urls[name], args.seconds, args.connections)
                 cpu[name].append((tree_cpu(pids[name]) - before) * 1e6 / total)
@@ -72,4 +88,4 @@ def run(args):
         lines += ["", f"new / old: {spread(ratios, '.3f')}; the instance's CPU per request, "
                       f"new / old: {spread(cpu_ratios, '.3f')}", ""]
         stop_all()
-    write_results("hit-ab.md", "\n".join(lines))
+    write_results(args.out or "hit-ab.md", "\n".join(lines))

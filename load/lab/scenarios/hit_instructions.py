@@ -14,7 +14,7 @@ from .. import kit
 from ..db import CAPACITY_DB, prepare_database
 from ..procs import free_port, stop, temp_dir
 from ..report import write_results
-from ..runners import build, example, find_or_install, find_wrk, wrk_run
+from ..runners import build_with_example, find_or_install, find_wrk, wrk_run
 from ..servers import metric_sums, serve, start_instances
 
 
@@ -87,11 +87,7 @@ def run(args):
     part (one read and one write per hit) is not counted, and is the same
     for every server."""
     wrk = find_wrk()
-    binary = build(args)
-    if not args.no_build:
-        subprocess.run(["cargo", "build", "--release", "--example", "ceiling"], cwd=kit.ROOT, check=True,
-                       timeout=3600)
-    ceiling = example("ceiling")
+    binary, ceiling = build_with_example(args, "ceiling")
     valgrind = find_or_install("valgrind", "valgrind")
     callgrind_control = os.path.join(os.path.dirname(valgrind), "callgrind_control")
     prepare_database(binary, CAPACITY_DB)

@@ -15,7 +15,7 @@ from ..cpu import children_cpu, pinning, tree_cpu
 from ..db import CAPACITY_DB, prepare_database
 from ..procs import free_port, temp_dir
 from ..report import write_results
-from ..runners import build, example, find_or_install, find_wrk, rotated, wrk_run
+from ..runners import build_with_example, find_or_install, find_wrk, rotated, wrk_run
 from ..servers import serve, start_instances, start_nginx
 
 NGINX_CONST = """\
@@ -68,12 +68,7 @@ def run(args):
     CPU per request is its CPU time (and its children's) over the run ÷ the
     requests."""
     wrk = find_wrk()
-    binary = build(args)
-    # Apart: built together, the binary would get the examples' testkit feature.
-    if not args.no_build:
-        subprocess.run(["cargo", "build", "--release", "--example", "ceiling"], cwd=kit.ROOT, check=True,
-                       timeout=3600)
-    ceiling = example("ceiling")
+    binary, ceiling = build_with_example(args, "ceiling")
     nginx = find_or_install("nginx", "nginx-light")
     pin, under = pinning(args.pin, "hits")
     workers = len(pin.groups["instance"]) if pin else os.cpu_count()
