@@ -43,7 +43,15 @@ pub(super) trait Batched: Sized + Send + 'static {
     /// The kind's queue on `node`.
     fn queue(node: &Self::Node) -> &Coalescer<Self>;
 
-    /// Sends `batch` (all served by `node`) and answers each command.
+    /// Whether the command's caller went away before its batch was sent:
+    /// such a command is not sent (see [`Baton`]'s drop). By default every
+    /// command is sent.
+    fn gone(&self) -> bool {
+        false
+    }
+
+    /// Sends `batch` (all served by `node`, none [`Batched::gone`]) and
+    /// answers each command.
     fn send(
         sender: &Self::Sender,
         node: &Arc<Self::Node>,
@@ -167,7 +175,14 @@ impl<Q: Batched> Drop for Baton<'_, Q> {
                         node: node.clone(),
                         _kind: std::marker::PhantomData,
                     };
-                    Q::send(&commands, &node, batch).await;
+                    // The commands whose callers went away are dropped
+                    // here, under the baton above, which hands the turn on
+                    // whether anything is sent or not.
+                    let mut batch = batch;
+                    batch.retain(|queued| !queued.gone());
+                    if !batch.is_empty() {
+                        Q::send(&commands, &node, batch).await;
+                    }
                 });
             }
             // No runtime to send them from (it is shutting down).

@@ -28,13 +28,13 @@ impl Batched for QueuedGet {
         &node.gets
     }
 
+    /// Lookups whose callers went away meanwhile are not read at all.
+    fn gone(&self) -> bool {
+        self.reply.is_closed()
+    }
+
     /// Each key once (a stampede queues the same key many times).
-    async fn send(commands: &RedisCommands, node: &Arc<Node>, mut batch: Vec<Self>) {
-        // Lookups whose callers went away meanwhile: not read at all.
-        batch.retain(|q| !q.reply.is_closed());
-        if batch.is_empty() {
-            return;
-        }
+    async fn send(commands: &RedisCommands, node: &Arc<Node>, batch: Vec<Self>) {
         let mut names: Vec<&str> = Vec::with_capacity(batch.len());
         let mut seen: HashMap<&str, usize> = HashMap::with_capacity(batch.len());
         let at: Vec<usize> = batch
@@ -68,16 +68,16 @@ impl Batched for QueuedClaim {
         &node.claims
     }
 
-    /// A claim whose caller went away before it was sent is not sent; one
-    /// whose caller went away while the batch ran lets go of the lock it
-    /// took (token-checked), so that no lock is left that nobody holds
-    /// (the caller's own guard may have released before the lock was
+    /// A claim whose caller went away before it was sent is not sent.
+    fn gone(&self) -> bool {
+        self.reply.is_closed()
+    }
+
+    /// A claim whose caller went away while the batch ran lets go of the
+    /// lock it took (token-checked), so that no lock is left that nobody
+    /// holds (the caller's own guard may have released before the lock was
     /// taken).
-    async fn send(commands: &RedisCommands, _node: &Arc<Node>, mut batch: Vec<Self>) {
-        batch.retain(|q| !q.reply.is_closed());
-        if batch.is_empty() {
-            return;
-        }
+    async fn send(commands: &RedisCommands, _node: &Arc<Node>, batch: Vec<Self>) {
         let items: Vec<(&ClaimKeys, &str, Duration)> = batch
             .iter()
             .map(|q| (&q.keys, q.token.as_str(), q.ttl))
@@ -104,13 +104,14 @@ impl Batched for QueuedValueClaim {
         &node.value_claims
     }
 
-    /// As for [`QueuedClaim`]: not sent if its caller went away first, and
-    /// let go of (token-checked) if it went away while the batch ran.
-    async fn send(commands: &RedisCommands, _node: &Arc<Node>, mut batch: Vec<Self>) {
-        batch.retain(|q| !q.reply.is_closed());
-        if batch.is_empty() {
-            return;
-        }
+    /// As for [`QueuedClaim`]: not sent if its caller went away first.
+    fn gone(&self) -> bool {
+        self.reply.is_closed()
+    }
+
+    /// As for [`QueuedClaim`]: let go of (token-checked) if its caller went
+    /// away while the batch ran.
+    async fn send(commands: &RedisCommands, _node: &Arc<Node>, batch: Vec<Self>) {
         let items: Vec<(&str, Option<&str>, &str, Duration)> = batch
             .iter()
             .map(|q| {
