@@ -247,9 +247,12 @@ async fn a_load_that_panics_answers_503_and_its_waiters_elsewhere_are_served_at_
     }
     for (reply, arrived) in &waiting {
         assert_eq!(reply.status, 200, "{}", reply.text());
+        // At once, not after LOCK_TTL (25 s); the bound leaves room for a
+        // debug build on two cores shared with the rest of the suite (a
+        // run took 131 ms).
         let after = arrived.duration_since(panicked_at);
         assert!(
-            after < Duration::from_millis(100),
+            after < Duration::from_millis(300),
             "served {after:?} after the panic"
         );
     }

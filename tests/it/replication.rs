@@ -818,3 +818,80 @@ async fn on_a_server_without_logical_decoding_auto_is_the_trigger_mode() {
     assert!(ready["change_feed_mode"].is_null(), "{ready}");
     assert_eq!(asked.get("/posts/1").await.status, 200);
 }
+
+/// PostgreSQL hands a commit to logical decoding once its record is
+/// flushed, a moment before new snapshots see it; a synchronous standby
+/// holds it there until it confirms. Played here with a standby that never
+/// comes (`synchronous_standby_names = 'nobody'`): the write's session
+/// waits, committed but not visible, while a read misses and loads the
+/// post. Were the change applied meanwhile, that load would read the old
+/// row after it and store it, and the post would read old until
+/// CACHE_TTL; the decoder applies it only once it is visible, so the post
+/// reads new soon after the wait is cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_decoded_before_it_is_visible_is_not_hidden_by_a_load_of_the_old_row() {
+    if !postcache::testkit::available("initdb", postcache::testkit::PgServer::available()) {
+        return;
+    }
+    let primary = postcache::testkit::PgServer::primary().await;
+    let env = TestEnv::on_server(5, primary.url(), postcache::testkit::redis_url()).await;
+    for sql in [
+        "alter system set synchronous_standby_names = 'nobody'",
+        // Every other session commits without waiting for it.
+        "alter system set synchronous_commit = 'local'",
+        "select pg_reload_conf()",
+    ] {
+        sqlx::query(sql).execute(&env.admin).await.unwrap();
+    }
+    // No memory tier: every read after the change goes to Redis.
+    let mut args = REPLICATION_LONG_LIVED.to_vec();
+    args.extend(["--l1-max-bytes", "0"]);
+    let app = env.spawn(&args).await;
+    wait_until("the feed up", A_WHILE, async || {
+        app.get("/readyz").await.json()["change_feed"] == "up"
+    })
+    .await;
+    let old = app.http.title(3).await.expect("post 3");
+
+    let mut writer = PgConnection::connect(&env.db_url).await.unwrap();
+    let held = tokio::spawn(async move {
+        sqlx::query("set synchronous_commit = on")
+            .execute(&mut writer)
+            .await
+            .unwrap();
+        sqlx::query("update posts set title = 'held by the standby' where id = 3")
+            .execute(&mut writer)
+            .await
+    });
+    wait_until("the commit to wait for the standby", A_WHILE, async || {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_stat_activity where wait_event = 'SyncRep'",
+        )
+        .fetch_one(&env.admin)
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
+    // Time for the decoder to read the commit, then reads while it is not
+    // visible: the old title, and whatever they load is stored.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for _ in 0..3 {
+        assert_eq!(app.http.title(3).await.as_deref(), Some(old.as_str()));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    sqlx::query("select pg_cancel_backend(pid) from pg_stat_activity where wait_event = 'SyncRep'")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    // Cancelled, the commit stands (PostgreSQL warns that it is not
+    // replicated) and becomes visible.
+    held.await.unwrap().expect("the update commits locally");
+    let visible: String = sqlx::query_scalar("select title from posts where id = 3")
+        .fetch_one(&env.admin)
+        .await
+        .unwrap();
+    assert_eq!(visible, "held by the standby");
+    read_within(&app.http, 3, "held by the standby", Duration::from_secs(2)).await;
+}

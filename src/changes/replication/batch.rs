@@ -19,14 +19,17 @@ pub(super) struct Pending {
     /// could not be read.
     pub(super) all: bool,
     pub(super) commit_time_micros: i64,
+    /// Its transaction id (the low 32 bits, as the stream's BEGIN says).
+    pub(super) xid: u32,
 }
 
 impl Pending {
-    pub(super) fn new(commit_time_micros: i64) -> Self {
+    pub(super) fn new(commit_time_micros: i64, xid: u32) -> Self {
         Self {
             posts: HashMap::new(),
             all: false,
             commit_time_micros,
+            xid,
         }
     }
 
@@ -78,6 +81,9 @@ pub(super) struct Batch {
     pub(super) read_to: Lsn,
     /// When the last batch was applied.
     pub(super) flushed: Option<Instant>,
+    /// The ids of its transactions: none is applied before all are visible
+    /// on the server (see `decode.rs`, `until_visible`).
+    pub(super) xids: Vec<u32>,
 }
 
 impl Batch {
@@ -104,6 +110,7 @@ impl Batch {
                 .map(|at| at + LINGER)
                 .filter(|until| Instant::now() < *until);
         }
+        self.xids.push(tx.xid);
         for (id, kind) in tx.posts {
             // Applied with this later change, or kept with it.
             progress.retry.remove(&id);
@@ -188,7 +195,7 @@ mod tests {
 
     #[test]
     fn a_transaction_past_the_bound_keeps_no_ids() {
-        let mut tx = Pending::new(0);
+        let mut tx = Pending::new(0, 1);
         for id in 0..BULK as i64 - 1 {
             tx.note(Some(id), ChangeKind::Changed);
         }
@@ -202,7 +209,7 @@ mod tests {
 
     #[test]
     fn the_last_change_of_a_post_in_a_transaction_decides() {
-        let mut tx = Pending::new(0);
+        let mut tx = Pending::new(0, 1);
         tx.note(Some(1), ChangeKind::Changed);
         tx.note(Some(1), ChangeKind::Deleted);
         tx.note(Some(2), ChangeKind::Deleted);

@@ -23,6 +23,11 @@ use crate::{read_path::Since, redis::ChangeKind, telemetry::metrics};
 const APPLYING: usize = 64;
 /// Changes applied by one script on a single Redis.
 const APPLIED_TOGETHER: usize = 100;
+/// How long the decoder first waits for a batch's commits to become
+/// visible on the server, doubling up to VISIBLE_MAX_PAUSE (see
+/// `until_visible`).
+const VISIBLE_FIRST_PAUSE: Duration = Duration::from_millis(1);
+const VISIBLE_MAX_PAUSE: Duration = Duration::from_millis(50);
 
 /// What the decoder keeps of the relations it was told of.
 #[derive(Default)]
@@ -104,8 +109,10 @@ impl Candidate {
             };
             match event {
                 ReplicationEvent::Begin {
-                    commit_time_micros, ..
-                } => pending = Some(Pending::new(commit_time_micros)),
+                    commit_time_micros,
+                    xid,
+                    ..
+                } => pending = Some(Pending::new(commit_time_micros, xid)),
                 ReplicationEvent::XLogData { data, wal_end, .. } => {
                     server_end = server_end.max(wal_end);
                     let Some(tx) = pending.as_mut() else {
@@ -120,6 +127,7 @@ impl Candidate {
                     server_end = server_end.max(end_lsn);
                     if tx.all {
                         self.flush(&mut batch, &mut progress).await?;
+                        self.until_visible(&[tx.xid]).await?;
                         self.all_posts(Some(end_lsn.0), Since(end_lsn.0)).await?;
                         metrics::change_applied("all", since_commit(tx.commit_time_micros));
                         // Every post: what waited is covered.
@@ -180,6 +188,7 @@ impl Candidate {
         let Some(last) = batch.last.take() else {
             return Ok(());
         };
+        self.until_visible(&std::mem::take(&mut batch.xids)).await?;
         batch.flushed = Some(Instant::now());
         let lag = since_commit(batch.first_commit_micros);
         let changes: Vec<(i64, ChangeKind, u64)> = batch
@@ -190,6 +199,43 @@ impl Candidate {
         self.apply(changes, last, lag, progress).await?;
         progress.read_to(last.max(std::mem::take(&mut batch.read_to)));
         Ok(())
+    }
+
+    /// Waits until every transaction of `xids` is visible to a new snapshot
+    /// on the server.
+    ///
+    /// PostgreSQL hands a commit to logical decoding once its record is
+    /// flushed, a moment before the transaction leaves the proc array; a
+    /// synchronous standby stretches that moment until it confirms the
+    /// commit. A change applied in it would let a load that claims the post
+    /// afterwards (it must include the change, so it reads the primary)
+    /// read the row as it was and store it, with nothing left to
+    /// invalidate it. So the decoder applies nothing of a batch until the
+    /// server's snapshot no longer lists any of its transactions as
+    /// running: one query per batch, almost always answered at once. While
+    /// it waits no beat goes out: past BEAT_STALE the instances serve as
+    /// with the feed down.
+    async fn until_visible(&self, xids: &[u32]) -> anyhow::Result<()> {
+        if xids.is_empty() {
+            return Ok(());
+        }
+        let mut pause = VISIBLE_FIRST_PAUSE;
+        loop {
+            let text: String = sqlx::query_scalar("select pg_current_snapshot()::text")
+                .fetch_one(&self.pool)
+                .await?;
+            let snapshot = Snapshot::parse(&text)
+                .ok_or_else(|| anyhow::anyhow!("unreadable snapshot {text:?}"))?;
+            if xids.iter().all(|&xid| snapshot.shows(xid)) {
+                return Ok(());
+            }
+            tracing::debug!(
+                transactions = xids.len(),
+                "a batch waits for its commits to become visible"
+            );
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(VISIBLE_MAX_PAUSE);
+        }
     }
 
     /// Applies changes, appends those applied to the stream, and keeps the
@@ -327,6 +373,46 @@ impl Candidate {
     }
 }
 
+/// A snapshot of the server, as `pg_current_snapshot()` prints it
+/// (`xmin:xmax:xip,...`): what a new query there sees.
+#[derive(Debug, PartialEq, Eq)]
+struct Snapshot {
+    /// Every transaction from here on is not seen (not completed yet, or
+    /// completed after the snapshot was taken).
+    xmax: u64,
+    /// Transactions below `xmax` still running.
+    running: Vec<u64>,
+}
+
+impl Snapshot {
+    fn parse(text: &str) -> Option<Self> {
+        let mut parts = text.split(':');
+        let (_xmin, xmax, running) = (parts.next()?, parts.next()?, parts.next()?);
+        Some(Self {
+            xmax: xmax.parse().ok()?,
+            running: running
+                .split(',')
+                .filter(|x| !x.is_empty())
+                .map(str::parse)
+                .collect::<Result<_, _>>()
+                .ok()?,
+        })
+    }
+
+    /// Whether the transaction `xid` (the low 32 bits of its id, as the
+    /// stream's BEGIN gives it) is seen: completed before `xmax` and not
+    /// running. A transaction waiting for a synchronous standby is at or
+    /// past `xmax` (it has not completed), not among the running.
+    fn shows(&self, xid: u32) -> bool {
+        // The full id whose low 32 bits are `xid`, within 2^31 of xmax.
+        let behind = (self.xmax as u32).wrapping_sub(xid) as i32;
+        let Some(full) = self.xmax.checked_add_signed(-i64::from(behind)) else {
+            return true;
+        };
+        full < self.xmax && !self.running.contains(&full)
+    }
+}
+
 /// Reads one message into the transaction.
 fn read_message(data: &[u8], relations: &mut Relations, tx: &mut Pending) {
     match pgoutput::decode(data, relations) {
@@ -352,5 +438,37 @@ fn read_message(data: &[u8], relations: &mut Relations, tx: &mut Pending) {
             tracing::warn!(%error, "a replication message could not be read: every post is invalidated");
             tx.every_post();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Snapshot;
+
+    #[test]
+    fn a_snapshot_shows_what_completed_before_it_and_nothing_running() {
+        // 742 waits for a synchronous standby: not completed, so xmax.
+        let held = Snapshot::parse("742:742:").unwrap();
+        assert!(!held.shows(742));
+        assert!(held.shows(741));
+        assert!(!held.shows(743));
+
+        let busy = Snapshot::parse("740:745:740,742").unwrap();
+        assert_eq!(busy.running, vec![740, 742]);
+        assert!(!busy.shows(740));
+        assert!(busy.shows(741));
+        assert!(!busy.shows(742));
+        assert!(busy.shows(744));
+        assert!(!busy.shows(745));
+        assert!(busy.shows(3));
+
+        // Past a wraparound: the low 32 bits name the id nearest xmax.
+        let next_epoch = Snapshot::parse(&format!("{0}:{0}:", (1u64 << 32) + 5)).unwrap();
+        assert!(next_epoch.shows(0xFFFF_FFFE));
+        assert!(next_epoch.shows(4));
+        assert!(!next_epoch.shows(5));
+
+        assert_eq!(Snapshot::parse("1:2"), None);
+        assert_eq!(Snapshot::parse("1:x:"), None);
     }
 }
