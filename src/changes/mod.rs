@@ -323,10 +323,18 @@ impl Setup {
             .map(|u| u.path().trim_start_matches('/').to_owned())
             .unwrap_or_default();
         let slot = replication::slot_name(&database_name, &self.key_prefix);
+        // A connection of its own for the decoder's visibility checks (one
+        // per batch): the feed's pool is busy with catch-ups and upkeep,
+        // and a batch must not wait behind them.
+        let visibility = store::connect_feed(&self.database, 1).unwrap_or_else(|error| {
+            tracing::warn!(%error, "the decoder's own connection could not be set up; sharing the feed's");
+            self.pool.clone()
+        });
         let candidate = replication::Candidate {
             read_path: self.read_path.clone(),
             database: self.database.clone(),
             pool: self.pool.clone(),
+            visibility,
             slot: slot.clone(),
             stream_key,
             beats: beats.clone(),

@@ -222,7 +222,7 @@ impl Candidate {
         let mut pause = VISIBLE_FIRST_PAUSE;
         loop {
             let text: String = sqlx::query_scalar("select pg_current_snapshot()::text")
-                .fetch_one(&self.pool)
+                .fetch_one(&self.visibility)
                 .await?;
             let snapshot = Snapshot::parse(&text)
                 .ok_or_else(|| anyhow::anyhow!("unreadable snapshot {text:?}"))?;

@@ -122,6 +122,9 @@ pub(super) struct Candidate {
     pub database: DatabaseSettings,
     /// For making, dropping and measuring the slot (one connection).
     pub pool: PgPool,
+    /// For the decoder's checks that a batch's commits are visible (one
+    /// connection of its own: see `decode.rs`, `until_visible`).
+    pub visibility: PgPool,
     pub slot: String,
     pub stream_key: String,
     pub beats: Arc<Beats>,
