@@ -126,6 +126,17 @@ struct Looked {
     absent: bool,
 }
 
+/// A first look in Redis at one key, judged, with what it leaves to the
+/// answer: the time of the look, the memory tier's ticket taken before it
+/// (see memory.rs), and the claim the look won, if it did (see won.rs).
+struct LookOutcome<S: Source> {
+    now: u64,
+    verdict: Verdict,
+    looked: Looked,
+    ticket: memory::Ticket,
+    won: Option<Box<Won<S>>>,
+}
+
 /// The read path of one process: its front door is [`ReadPath::read`]
 /// (and [`ReadPath::read_many`], [`ReadPath::memory_hit`]); the changes the
 /// feed applies come in through [`ReadPath::invalidate`] and its siblings.
@@ -343,7 +354,14 @@ impl<S: Source> ReadPath<S> {
                     // for it and the read's other misses (see batch.rs).
                     let expected = (matches!(verdict, Verdict::Miss) && !self.known_missing(&key))
                         .then(|| self.ctx.loader.expect(&key));
-                    let read = self.after_look_up(key, now, verdict, looked, ticket, None);
+                    let look = LookOutcome {
+                        now,
+                        verdict,
+                        looked,
+                        ticket,
+                        won: None,
+                    };
+                    let read = self.after_look_up(key, look);
                     async move {
                         let answer = read.await;
                         drop(expected);
@@ -555,8 +573,14 @@ impl<S: Source> ReadPath<S> {
         } else {
             Box::pin(self.look_up_or_claim(&key, now, grace)).await
         };
-        self.after_look_up(key, now, verdict, looked, ticket, won)
-            .await
+        let look = LookOutcome {
+            now,
+            verdict,
+            looked,
+            ticket,
+            won,
+        };
+        self.after_look_up(key, look).await
     }
 
     /// The first look that claims (see [`ReadPath::get_from_redis`]), its
@@ -587,23 +611,16 @@ impl<S: Source> ReadPath<S> {
         }
     }
 
-    /// What follows the first look in Redis (`verdict`, and what the look
-    /// says of Redis and of the key): serve it, or this process's flight.
-    /// `ticket` was taken before the look (see memory.rs). The memory tier
-    /// keeps nothing older than what is served (see memory.rs), and a post
-    /// served found is known to the existence guard (see existence.rs).
+    /// What follows the first look in Redis: serve it, or this process's
+    /// flight. The memory tier keeps nothing older than what is served (see
+    /// memory.rs), and a post served found is known to the existence guard
+    /// (see existence.rs).
     async fn after_look_up(
         self: &Arc<Self>,
         key: S::Key,
-        now: u64,
-        verdict: Verdict,
-        looked: Looked,
-        ticket: memory::Ticket,
-        won: Option<Box<Won<S>>>,
+        look: LookOutcome<S>,
     ) -> Result<Answer, ReadError> {
-        let answer = self
-            .answer_after_look_up(key.clone(), now, verdict, looked, ticket, won)
-            .await;
+        let answer = self.answer_after_look_up(key.clone(), look).await;
         if let Ok(answer) = &answer {
             // What this process serves from now on is no older.
             self.ctx.memory.supersede(&key, answer.entry());
@@ -629,12 +646,15 @@ impl<S: Source> ReadPath<S> {
     async fn answer_after_look_up(
         self: &Arc<Self>,
         key: S::Key,
-        now: u64,
-        verdict: Verdict,
-        looked: Looked,
-        ticket: memory::Ticket,
-        won: Option<Box<Won<S>>>,
+        look: LookOutcome<S>,
     ) -> Result<Answer, ReadError> {
+        let LookOutcome {
+            now,
+            verdict,
+            looked,
+            ticket,
+            won,
+        } = look;
         let span = tracing::Span::current();
         match verdict {
             Verdict::Fresh(entry) => {

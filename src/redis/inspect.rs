@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use fred::prelude::*;
 
-use super::{RedisCommands, RedisError};
+use super::{commands::BreakerRule, RedisCommands, RedisError};
 use crate::cache::{is_claim, ItemKeys, CLAIM_PREFIX};
 
 /// What Redis holds under one item's names, read at once (`postcache
@@ -30,7 +30,7 @@ pub struct ItemSnapshot {
 /// pipeline (they share a slot), then its channel's subscribers.
 pub async fn snapshot(redis: &RedisCommands, keys: &ItemKeys) -> Result<ItemSnapshot, RedisError> {
     let replies: Vec<Value> = redis
-        .unrefused(&keys.value, |c| async move {
+        .on_node(&keys.value, BreakerRule::Bypassed, |c| async move {
             let pipeline = c.pipeline();
             for key in [&keys.value, &keys.lock, &keys.fence] {
                 let () = pipeline.get(key).await?;
@@ -41,7 +41,7 @@ pub async fn snapshot(redis: &RedisCommands, keys: &ItemKeys) -> Result<ItemSnap
         .await?;
     let sharded = redis.sharded();
     let numsub: Vec<Value> = redis
-        .unrefused(&keys.channel, |c| async move {
+        .on_node(&keys.channel, BreakerRule::Bypassed, |c| async move {
             if sharded {
                 c.pubsub_shardnumsub(&keys.channel).await
             } else {

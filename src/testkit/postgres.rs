@@ -88,27 +88,11 @@ impl PgServer {
     /// A primary with `wal_level=logical` (the change feed's replication
     /// mode) and room for standbys, started.
     pub async fn primary() -> Self {
-        let port = free_port();
-        let dir = own_dir("primary", port);
-        let data = dir.join("data");
-        run(
+        let server = Self::made_by(
+            "primary",
             "initdb",
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--no-sync",
-            ],
+            &["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"],
         );
-        let server = Self {
-            port,
-            dir,
-            running: false,
-        };
         server.append_conf(&[
             "wal_level = logical",
             "max_wal_senders = 10",
@@ -123,10 +107,8 @@ impl PgServer {
     /// A streaming standby of `primary` (`pg_basebackup -R`), with `conf`
     /// appended (for example `recovery_min_apply_delay = '1s'`), started.
     pub async fn standby_of(primary: &PgServer, conf: &[&str]) -> Self {
-        let port = free_port();
-        let dir = own_dir("standby", port);
-        let data = dir.join("data");
-        run(
+        let server = Self::made_by(
+            "standby",
             "pg_basebackup",
             &[
                 "-h",
@@ -135,8 +117,6 @@ impl PgServer {
                 &primary.port.to_string(),
                 "-U",
                 "postgres",
-                "-D",
-                data.to_str().unwrap(),
                 "-R",
                 "-X",
                 "stream",
@@ -145,14 +125,26 @@ impl PgServer {
                 "fast",
             ],
         );
-        let server = Self {
-            port,
-            dir,
-            running: false,
-        };
         server.append_conf(&["hot_standby = on"]);
         server.append_conf(conf);
         server.start_and_wait().await
+    }
+
+    /// A server of `role` on a free port, not started: its data directory
+    /// made by `program` (initdb, or pg_basebackup from a primary) with
+    /// `args` and `-D` the directory.
+    fn made_by(role: &str, program: &str, args: &[&str]) -> Self {
+        let port = free_port();
+        let server = Self {
+            port,
+            dir: own_dir(role, port),
+            running: false,
+        };
+        let data = server.data();
+        let mut args = args.to_vec();
+        args.extend(["-D", data.to_str().unwrap()]);
+        run(program, &args);
+        server
     }
 
     fn data(&self) -> PathBuf {

@@ -274,7 +274,13 @@ impl Beats {
 
     /// Whether a decoder keeps up: a beat within BEAT_STALE.
     pub fn fresh(&self) -> bool {
-        self.since_beat().is_some_and(|age| age < BEAT_STALE)
+        self.fresh_at(Instant::now())
+    }
+
+    /// [`Beats::fresh`], judged at `now`.
+    fn fresh_at(&self, now: Instant) -> bool {
+        self.age_at(self.beat_at.load(Ordering::SeqCst), now)
+            .is_some_and(|age| age < BEAT_STALE)
     }
 
     /// How long ago the last beat was read (`None`: none since the stream
@@ -321,11 +327,7 @@ impl Beats {
     /// clock already spares a reading.
     pub fn position_at(&self, now: Instant) -> Option<u64> {
         let applied = self.applied.load(Ordering::SeqCst);
-        let fresh = || {
-            self.age_at(self.beat_at.load(Ordering::SeqCst), now)
-                .is_some_and(|age| age < BEAT_STALE)
-        };
-        (applied > 0 && fresh()).then_some(applied)
+        (applied > 0 && self.fresh_at(now)).then_some(applied)
     }
 
     /// Waits until this instance has applied every change up to `lsn`, for

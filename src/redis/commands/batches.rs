@@ -18,15 +18,24 @@ use crate::redis::{
     ValueClaim,
 };
 
+/// What every kind batched on a node says alike: the node holds its queue
+/// (the field named), the commands send it, and a batch holds at most
+/// `max` commands.
+macro_rules! queued_on_node {
+    ($queue:ident, $max:expr) => {
+        type Node = Node;
+        type Sender = RedisCommands;
+
+        const MAX_BATCH: usize = $max;
+
+        fn queue(node: &Node) -> &Coalescer<Self> {
+            &node.$queue
+        }
+    };
+}
+
 impl Batched for QueuedGet {
-    type Node = Node;
-    type Sender = RedisCommands;
-
-    const MAX_BATCH: usize = 256;
-
-    fn queue(node: &Node) -> &Coalescer<Self> {
-        &node.gets
-    }
+    queued_on_node!(gets, 256);
 
     /// Lookups whose callers went away meanwhile are not read at all.
     fn gone(&self) -> bool {
@@ -59,14 +68,7 @@ impl Batched for QueuedGet {
 }
 
 impl Batched for QueuedClaim {
-    type Node = Node;
-    type Sender = RedisCommands;
-
-    const MAX_BATCH: usize = 64;
-
-    fn queue(node: &Node) -> &Coalescer<Self> {
-        &node.claims
-    }
+    queued_on_node!(claims, 64);
 
     /// A claim whose caller went away before it was sent is not sent.
     fn gone(&self) -> bool {
@@ -94,15 +96,8 @@ impl Batched for QueuedClaim {
 }
 
 impl Batched for QueuedValueClaim {
-    type Node = Node;
-    type Sender = RedisCommands;
-
-    /// As many as a batch of lookups: every request's first look is one.
-    const MAX_BATCH: usize = QueuedGet::MAX_BATCH;
-
-    fn queue(node: &Node) -> &Coalescer<Self> {
-        &node.value_claims
-    }
+    // As many as a batch of lookups: every request's first look is one.
+    queued_on_node!(value_claims, QueuedGet::MAX_BATCH);
 
     /// As for [`QueuedClaim`]: not sent if its caller went away first.
     fn gone(&self) -> bool {
@@ -140,14 +135,7 @@ impl Batched for QueuedValueClaim {
 }
 
 impl Batched for QueuedFinish {
-    type Node = Node;
-    type Sender = RedisCommands;
-
-    const MAX_BATCH: usize = 64;
-
-    fn queue(node: &Node) -> &Coalescer<Self> {
-        &node.finishes
-    }
+    queued_on_node!(finishes, 64);
 
     async fn send(commands: &RedisCommands, _node: &Arc<Node>, batch: Vec<Self>) {
         let items: Vec<(&[String], &[Value])> = batch

@@ -1,11 +1,11 @@
 //! The change feed's commands: the cutoff, the stream, the gap marker and
 //! the decoder's position. They go around the breaker (see
-//! [`RedisCommands::unrefused`]), except the position's, which the feed
+//! [`BreakerRule::Bypassed`]), except the position's, which the feed
 //! reads and writes as any command.
 
 use fred::{prelude::*, types::SetOptions};
 
-use super::RedisCommands;
+use super::{BreakerRule, RedisCommands};
 use crate::redis::error::RedisError;
 
 impl RedisCommands {
@@ -15,7 +15,11 @@ impl RedisCommands {
     /// read nor open the breaker for the reads.
     pub async fn cutoff(&self, key: &str) -> Result<u64, RedisError> {
         let raw: Option<String> = self
-            .unrefused(key, |c| async move { c.get(key).await })
+            .on_node(
+                key,
+                BreakerRule::Bypassed,
+                |c| async move { c.get(key).await },
+            )
             .await?;
         Ok(raw.and_then(|r| r.parse().ok()).unwrap_or(0))
     }
@@ -30,7 +34,7 @@ impl RedisCommands {
         max: u64,
         fields: Vec<(&'static str, String)>,
     ) -> Result<(), RedisError> {
-        self.unrefused(key, |c| {
+        self.on_node(key, BreakerRule::Bypassed, |c| {
             let fields = fields.clone();
             async move {
                 c.xadd::<Value, _, _, _, _>(key, false, ("MAXLEN", "~", max as i64), "*", fields)
@@ -48,7 +52,7 @@ impl RedisCommands {
         key: &str,
         count: u64,
     ) -> Result<Vec<std::collections::HashMap<String, String>>, RedisError> {
-        self.unrefused(key, |c| async move {
+        self.on_node(key, BreakerRule::Bypassed, |c| async move {
             let tail: Vec<(String, std::collections::HashMap<String, String>)> =
                 c.xrevrange(key, "+", "-", Some(count)).await?;
             Ok(tail.into_iter().map(|(_, fields)| fields).collect())
@@ -60,7 +64,7 @@ impl RedisCommands {
     /// to `why` unless it is set already (the first reason stays). Not
     /// through the breaker, as the stream.
     pub async fn mark_gap(&self, key: &str, why: &str) -> Result<(), RedisError> {
-        self.unrefused(key, |c| async move {
+        self.on_node(key, BreakerRule::Bypassed, |c| async move {
             c.set::<Value, _, _>(key, why, None, Some(SetOptions::NX), false)
                 .await
                 .map(drop)
@@ -70,16 +74,19 @@ impl RedisCommands {
 
     /// The change feed's gap marker at `key`: why the gap, when one is open.
     pub async fn gap(&self, key: &str) -> Result<Option<String>, RedisError> {
-        self.unrefused(key, |c| async move { c.get(key).await })
-            .await
+        self.on_node(
+            key,
+            BreakerRule::Bypassed,
+            |c| async move { c.get(key).await },
+        )
+        .await
     }
 
     /// Closes the change feed's gap at `key` (the cutoff is raised).
     pub async fn close_gap(&self, key: &str) -> Result<(), RedisError> {
-        self.unrefused(
-            key,
-            |c| async move { c.del::<Value, _>(key).await.map(drop) },
-        )
+        self.on_node(key, BreakerRule::Bypassed, |c| async move {
+            c.del::<Value, _>(key).await.map(drop)
+        })
         .await
     }
 
@@ -92,12 +99,17 @@ impl RedisCommands {
 
     /// GET of a plain string key.
     pub async fn get_string(&self, key: &str) -> Result<Option<String>, RedisError> {
-        self.bounded(key, |c| async move { c.get(key).await }).await
+        self.on_node(
+            key,
+            BreakerRule::Heeded,
+            |c| async move { c.get(key).await },
+        )
+        .await
     }
 
     /// SET of a plain string key, without expiry.
     pub async fn set_string(&self, key: &str, value: &str) -> Result<(), RedisError> {
-        self.bounded(key, |c| async move {
+        self.on_node(key, BreakerRule::Heeded, |c| async move {
             c.set(key, value, None, None, false).await
         })
         .await

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use fred::prelude::*;
 use tokio::sync::oneshot;
 
-use super::{replies::decoded, RedisCommands};
+use super::{replies::decoded, BreakerRule, RedisCommands};
 use crate::{
     cache::Entry,
     redis::{
@@ -44,7 +44,12 @@ impl RedisCommands {
 
     /// One GET, unbatched.
     async fn get_raw(&self, key: &str) -> Result<Option<Bytes>, RedisError> {
-        self.bounded(key, |c| async move { c.get(key).await }).await
+        self.on_node(
+            key,
+            BreakerRule::Heeded,
+            |c| async move { c.get(key).await },
+        )
+        .await
     }
 
     /// The raw values of `names`, all served by `node`, in one round trip:

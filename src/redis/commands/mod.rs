@@ -34,6 +34,21 @@ use crate::{
 use replies::decoded;
 pub use replies::{Before, FirstLook, LockTtl, OnWon, ValueClaim};
 
+/// Whether a command heeds its node's circuit breaker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BreakerRule {
+    /// The read path's commands: refused while the breaker is open, and
+    /// their failures count toward opening it.
+    Heeded,
+    /// Lock hygiene (finish, release, extend) and the change feed's
+    /// commands (applying a change, the cutoff, the stream): under
+    /// REDIS_TIMEOUT only. A leader must be able to finish and let go of
+    /// its lock whatever other commands of this process met, and the
+    /// feed's background work must neither take a read's half-open probe
+    /// nor open the breaker for the reads.
+    Bypassed,
+}
+
 /// The command clients plus the bound applied to each command.
 #[derive(Clone)]
 pub struct RedisCommands {
@@ -102,41 +117,13 @@ impl RedisCommands {
         self.nodes.report();
     }
 
-    /// Runs `command` on the client of `key`'s node, under that node's
-    /// breaker and REDIS_TIMEOUT (see [`RedisCommands::redirected`]).
-    async fn bounded<T, Fut>(
+    /// Runs `command` on the client of `key`'s node, under REDIS_TIMEOUT
+    /// and, as `breaker` says, that node's breaker (see
+    /// [`RedisCommands::redirected`] for a node that answers MOVED).
+    pub(crate) async fn on_node<T, Fut>(
         &self,
         key: &str,
-        command: impl Fn(Client) -> Fut,
-    ) -> Result<T, RedisError>
-    where
-        Fut: Future<Output = Result<T, fred::error::Error>>,
-    {
-        self.on_node(key, true, command).await
-    }
-
-    /// Runs one command of lock hygiene (finish, release, extend) on the
-    /// client of `key`'s node, under REDIS_TIMEOUT but not the breaker: a
-    /// leader must be able to finish and let go of its lock whatever other
-    /// commands of this process met. The change feed's commands (applying
-    /// a change, the cutoff, the stream) go this way too: the breaker
-    /// guards the reads, and the feed's background work must neither take
-    /// a read's half-open probe nor open the breaker for the reads.
-    pub(super) async fn unrefused<T, Fut>(
-        &self,
-        key: &str,
-        command: impl Fn(Client) -> Fut,
-    ) -> Result<T, RedisError>
-    where
-        Fut: Future<Output = Result<T, fred::error::Error>>,
-    {
-        self.on_node(key, false, command).await
-    }
-
-    async fn on_node<T, Fut>(
-        &self,
-        key: &str,
-        refusable: bool,
+        breaker: BreakerRule,
         command: impl Fn(Client) -> Fut,
     ) -> Result<T, RedisError>
     where
@@ -149,10 +136,9 @@ impl RedisCommands {
         // awaits them, level by level up to the request's (memmove was the
         // top user-space cost of a hit in Redis). One allocation instead.
         let sent = Box::pin(command(node.client.clone()));
-        let result = if refusable {
-            guarded(&node.breaker, self.timeout, sent).await
-        } else {
-            self.timed(sent).await
+        let result = match breaker {
+            BreakerRule::Heeded => guarded(&node.breaker, self.timeout, sent).await,
+            BreakerRule::Bypassed => self.timed(sent).await,
         };
         match result {
             // Boxed: rare, and it would double the size of every command's future.
@@ -198,7 +184,7 @@ impl RedisCommands {
     /// SET a value with a TTL (the strategies without a lock).
     pub async fn store(&self, key: &str, entry: &Entry, ttl: Duration) -> Result<(), RedisError> {
         let px = ms(ttl).max(1);
-        self.bounded(key, |c| async move {
+        self.on_node(key, BreakerRule::Heeded, |c| async move {
             let value = entry.raw().clone();
             c.set(key, value, Some(Expiration::PX(px)), None, false)
                 .await
@@ -218,7 +204,7 @@ impl RedisCommands {
     ) -> Result<Option<Before>, RedisError> {
         let claim = Claim { keys, token, ttl };
         let claimed = if self.sharded {
-            self.script(&claim, true).await
+            self.script(&claim, BreakerRule::Heeded).await
         } else {
             // Batched naturally with the node's other claims.
             let node = self.nodes.for_key(&keys.lock);
@@ -237,7 +223,7 @@ impl RedisCommands {
             });
             match turn {
                 Turn::Lead(baton) => {
-                    let claimed = self.script(&claim, true).await;
+                    let claimed = self.script(&claim, BreakerRule::Heeded).await;
                     drop(baton);
                     claimed
                 }
@@ -369,7 +355,7 @@ impl RedisCommands {
             return Vec::new();
         };
         let sent: Result<Vec<Value>, RedisError> = self
-            .bounded(first, |c| async move {
+            .on_node(first, BreakerRule::Heeded, |c| async move {
                 let mut sent = Vec::with_capacity(items.len());
                 for &(value, fence, claim, ttl) in items {
                     let px = Some(Expiration::PX(ms(ttl).max(1)));
@@ -420,7 +406,7 @@ impl RedisCommands {
         &self,
         items: &[(&ClaimKeys, &str, Duration)],
     ) -> Vec<Result<Option<Claimed>, RedisError>> {
-        match self.script(&ClaimMany { items }, true).await {
+        match self.script(&ClaimMany { items }, BreakerRule::Heeded).await {
             Ok(claims) => claims.into_iter().map(Ok).collect(),
             Err(error) => items.iter().map(|_| Err(again(&error))).collect(),
         }
@@ -429,7 +415,11 @@ impl RedisCommands {
     /// PTTL of a lock.
     pub async fn pttl(&self, key: &str) -> Result<LockTtl, RedisError> {
         let ms: i64 = self
-            .bounded(key, |c| async move { c.pttl(key).await })
+            .on_node(
+                key,
+                BreakerRule::Heeded,
+                |c| async move { c.pttl(key).await },
+            )
             .await?;
         Ok(match ms {
             -2 => LockTtl::Absent,
@@ -442,9 +432,9 @@ impl RedisCommands {
     /// under REDIS_TIMEOUT but not the breaker: the scripts are lock
     /// hygiene (finish, release, extend, abandon) and the change feed's
     /// work (apply, cutoff), which must go through whatever the reads met
-    /// (see [`RedisCommands::unrefused`]).
+    /// (see [`BreakerRule::Bypassed`]).
     pub async fn eval<C: Call>(&self, call: &C) -> Result<C::Reply, RedisError> {
-        self.script(call, false).await
+        self.script(call, BreakerRule::Bypassed).await
     }
 
     /// A leader's finish (see [`Finish`]), under REDIS_TIMEOUT but not the
@@ -480,16 +470,19 @@ impl RedisCommands {
         }
     }
 
-    /// A script's call on the node of its first key, under the breaker if
-    /// `refusable`.
-    async fn script<C: Call>(&self, call: &C, refusable: bool) -> Result<C::Reply, RedisError> {
+    /// A script's call on the node of its first key.
+    async fn script<C: Call>(
+        &self,
+        call: &C,
+        breaker: BreakerRule,
+    ) -> Result<C::Reply, RedisError> {
         let keys = call.keys();
         let Some(first) = keys.first().copied() else {
             return Err(RedisError::Reply(call.name()));
         };
         let args = call.args();
         let reply: Value = self
-            .on_node(first, refusable, |c| {
+            .on_node(first, breaker, |c| {
                 let (keys, args) = (keys.clone(), args.clone());
                 async move {
                     let script = self.scripts.get(call.script());

@@ -197,7 +197,7 @@ mod contract {
     use super::*;
     use crate::{
         cache::{Keys as Names, Status},
-        redis::scripts::contract::{clean, names_read, put_for, redis, run},
+        redis::scripts::contract::{assert_reads, clean, put_for, redis, run},
     };
 
     const MINUTE: Duration = Duration::from_secs(60);
@@ -218,14 +218,8 @@ mod contract {
 
     #[test]
     fn the_script_reads_exactly_the_names_the_call_sends() {
-        let lua = lua();
-        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect();
-        assert_eq!(names_read(&lua, 'K'), names(Keys::<()>::NAMES));
-        let sent: std::collections::BTreeSet<String> = names(Shared::<()>::NAMES)
-            .union(&names(Item::<()>::NAMES))
-            .cloned()
-            .collect();
-        assert_eq!(names_read(&lua, 'A'), sent);
+        assert_reads(&lua(), 'K', &[Keys::<()>::NAMES]);
+        assert_reads(&lua(), 'A', &[Shared::<()>::NAMES, Item::<()>::NAMES]);
     }
 
     #[tokio::test]

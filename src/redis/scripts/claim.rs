@@ -204,14 +204,13 @@ mod contract {
     use super::*;
     use crate::{
         cache::Keys as Names,
-        redis::scripts::contract::{clean, names_read, redis, run},
+        redis::scripts::contract::{assert_reads, clean, redis, run},
     };
 
     #[test]
     fn the_script_reads_exactly_the_names_the_call_sends() {
-        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect();
-        assert_eq!(names_read(&lua(), 'K'), names(Keys::<()>::NAMES));
-        assert_eq!(names_read(&lua(), 'A'), names(Argv::<()>::NAMES));
+        assert_reads(&lua(), 'K', &[Keys::<()>::NAMES]);
+        assert_reads(&lua(), 'A', &[Argv::<()>::NAMES]);
     }
 
     #[tokio::test]

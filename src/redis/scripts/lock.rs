@@ -160,26 +160,16 @@ impl Call for OnLock<'_> {
 #[cfg(test)]
 mod contract {
     use super::*;
-    use crate::redis::scripts::contract::{clean, heard, names_read, redis, run};
+    use crate::redis::scripts::contract::{assert_reads, clean, heard, redis, run};
 
     #[test]
     fn each_script_reads_only_names_its_call_sends() {
-        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect();
         for lua in [release_lua(), extend_lua(), abandon_lua()] {
-            assert_eq!(names_read(&lua, 'K'), names(Keys::<()>::NAMES));
+            assert_reads(&lua, 'K', &[Keys::<()>::NAMES]);
         }
-        assert_eq!(
-            names_read(&release_lua(), 'A'),
-            names(ReleaseArgv::<()>::NAMES)
-        );
-        assert_eq!(
-            names_read(&extend_lua(), 'A'),
-            names(ExtendArgv::<()>::NAMES)
-        );
-        assert_eq!(
-            names_read(&abandon_lua(), 'A'),
-            names(AbandonArgv::<()>::NAMES)
-        );
+        assert_reads(&release_lua(), 'A', &[ReleaseArgv::<()>::NAMES]);
+        assert_reads(&extend_lua(), 'A', &[ExtendArgv::<()>::NAMES]);
+        assert_reads(&abandon_lua(), 'A', &[AbandonArgv::<()>::NAMES]);
     }
 
     #[tokio::test]

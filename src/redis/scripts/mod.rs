@@ -61,10 +61,14 @@ mod contract {
             .unwrap_or_else(|| panic!("{} gave a reply it never gives", call.name()))
     }
 
-    /// The names `lua` reads from its K and A tables.
-    pub fn names_read(lua: &str, table: char) -> BTreeSet<String> {
+    /// Fails unless the names `lua` reads from its `table` (`K` or `A`) are
+    /// exactly those of `sent`: a script reading a name its call does not
+    /// send would read nil, and one sent but never read is a leftover.
+    #[track_caller]
+    pub fn assert_reads(lua: &str, table: char, sent: &[&[&str]]) {
         let needle = format!("{table}.");
-        lua.match_indices(&needle)
+        let read: BTreeSet<String> = lua
+            .match_indices(&needle)
             .filter(|(at, _)| {
                 // `K.` as a name of its own, not the end of another name.
                 lua[..*at]
@@ -78,7 +82,12 @@ mod contract {
                     .take_while(|c| c.is_alphanumeric() || *c == '_')
                     .collect()
             })
-            .collect()
+            .collect();
+        let sent: BTreeSet<String> = sent
+            .iter()
+            .flat_map(|names| names.iter().map(|n| n.to_string()))
+            .collect();
+        assert_eq!(read, sent, "the names the script reads from {table}");
     }
 
     /// A message on `channel` within a second, from a subscription taken

@@ -8,7 +8,7 @@ use fred::prelude::*;
 use super::*;
 use crate::{
     cache::{Keys as Names, Status},
-    redis::scripts::contract::{clean, heard, names_read, put_for, redis, run},
+    redis::scripts::contract::{assert_reads, clean, heard, put_for, redis, run},
 };
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -84,10 +84,8 @@ async fn stored_and_published(
 
 #[test]
 fn the_script_reads_exactly_the_names_the_call_sends() {
-    let lua = lua();
-    let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect();
-    assert_eq!(names_read(&lua, 'K'), names(Keys::<()>::NAMES));
-    assert_eq!(names_read(&lua, 'A'), names(Argv::<()>::NAMES));
+    assert_reads(&lua(), 'K', &[Keys::<()>::NAMES]);
+    assert_reads(&lua(), 'A', &[Argv::<()>::NAMES]);
 }
 
 #[tokio::test]

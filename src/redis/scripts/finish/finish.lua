@@ -47,6 +47,10 @@ local function finish_one(K, A)
   local ours = holder == A.token
   local released = 0
   local wrote = false
+  local function store(value, ms)
+    redis.call('SET', K.value, value, 'PX', ms)
+    wrote = true
+  end
   if in_value and not ours then
     -- The claim is gone: a change deleted it (what this leader read may be
     -- older than the change), or it expired. Nothing is stored. An entry
@@ -103,13 +107,10 @@ local function finish_one(K, A)
         payload = backoff(copy, now + (failure_ms > 0 and failure_ms or 1000))
         if failure_ms > 0 then
           -- As long as the copy had left, and at least the backoff.
-          local left = redis.call('PTTL', K.value)
-          redis.call('SET', K.value, payload, 'PX', math.max(left, failure_ms))
-          wrote = true
+          store(payload, math.max(redis.call('PTTL', K.value), failure_ms))
         end
       elseif failure_ms > 0 then
-        redis.call('SET', K.value, payload, 'PX', failure_ms)
-        wrote = true
+        store(payload, failure_ms)
       end
     end
   else
@@ -120,8 +121,7 @@ local function finish_one(K, A)
       ms = tonumber(A.tombstone_ms)
     end
     if ms > 0 then
-      redis.call('SET', K.value, entry, 'PX', ms)
-      wrote = true
+      store(entry, ms)
     end
   end
   if publish then
