@@ -63,7 +63,17 @@ local function apply_one(K, A)
   end
   -- Last, so that a script stopped part-way is applied again in full.
   if fence then
-    redis.call('SET', K.fence, A.change, 'PX', A.fence_ms)
+    -- The replication feed's fences are commit LSNs and never fall: a
+    -- change applied after a later one (the posts read from a replica
+    -- behind a change to every post, fenced with that change; a batch sent
+    -- again) leaves the later fence, whose loads include this change, and
+    -- a load claimed now must not read a replica behind it. (LSNs compare
+    -- exactly as Lua numbers below 2^53 bytes of WAL.) The trigger feed's
+    -- ids are handed out before commit, so its fence is simply replaced.
+    local held = A.always_fence == '1' and tonumber(redis.call('GET', K.fence))
+    if not (held and held > tonumber(A.change)) then
+      redis.call('SET', K.fence, A.change, 'PX', A.fence_ms)
+    end
     redis.call('SADD', K.applied, A.change)
     redis.call('PEXPIRE', K.applied, A.fence_ms)
   end

@@ -5,7 +5,9 @@
 //! skipped, applied by this instance or another, in whatever order the
 //! changes arrive. Sets the fence to the change, a value no fence had
 //! before, and records the change as applied (both for the fence's
-//! lifetime, while there is a value or a leader to fence). The value is
+//! lifetime, while there is a value or a leader to fence); the
+//! replication feed's fences, commit LSNs, never fall (a change applied
+//! after a later one leaves the later fence). The value is
 //! changed in place, its body kept as the fail-safe copy (see
 //! `cache/entry.rs`): a delete puts the item's tombstone (a not-found
 //! entry, invalidated) in place of a copy; any other change marks a found
@@ -343,6 +345,15 @@ mod contract {
         assert_eq!(apply(700).await, 0);
         let fence: Option<String> = client.get(&idle.fence).await.unwrap();
         assert_eq!(fence.as_deref(), Some("900"));
+        // An earlier change applied late (the posts read from a replica
+        // behind a change to every post are fenced with that change, after
+        // the decoder has applied later ones): applied, but the later fence
+        // stays, so that no load may read a replica behind it.
+        assert_eq!(apply(800).await, 1);
+        let fence: Option<String> = client.get(&idle.fence).await.unwrap();
+        assert_eq!(fence.as_deref(), Some("900"));
+        let applied: bool = client.sismember(&idle.applied, 800).await.unwrap();
+        assert!(applied, "remembered as applied");
         clean(&client, &prefix).await;
     }
 
