@@ -21,22 +21,20 @@
 //! `pg_stat_database`, less the updates themselves and what runs with no
 //! change over as long).
 
+mod commit_to_read;
+
 use std::{
     collections::HashMap,
     time::{Duration, Instant},
 };
 
 use futures::future::join_all;
-use postcache::testkit::{quantile, Http, RedisServer, SteadyLoad, TestEnv, Zipf};
+use postcache::testkit::{quantile, Http, RedisServer, TestEnv};
 
-const POSTS: u64 = 1000;
-const HOT: i64 = 20;
-const INSTANCES: usize = 3;
-const PACE: Duration = Duration::from_millis(10);
-/// Reads after the first new one, each checked for an older version.
-const AFTER: usize = 10;
-/// Bound on one probe.
-const PROBE_LIMIT: Duration = Duration::from_secs(5);
+use crate::commit_to_read::{
+    changes_asked, ms, read_load, update, AFTER, HOT, INSTANCES, PACE, POSTS, PROBE_LIMIT,
+};
+
 /// Updates made with the load stopped, to count Redis commands.
 const QUIET_CHANGES: i64 = 200;
 
@@ -83,10 +81,6 @@ async fn probe(http: Http, id: i64, wanted: u64, committed: Instant) -> Probe {
     }
 }
 
-fn ms(d: Duration) -> String {
-    format!("{:.1}", d.as_secs_f64() * 1e3)
-}
-
 /// The commands the instances send to `redis` (MONITOR's lines, less
 /// those run inside scripts) while `during` runs: (all, EVALSHA).
 async fn sent_while(
@@ -123,20 +117,9 @@ async fn sent_while(
     (sent.len() as u64, evalsha as u64)
 }
 
-async fn update(env: &TestEnv, id: i64, version: u64) {
-    sqlx::query("update posts set title = $1 where id = $2")
-        .bind(format!("v{version}"))
-        .bind(id)
-        .execute(&env.admin)
-        .await
-        .unwrap();
-}
-
 #[tokio::main]
 async fn main() {
-    let changes: u64 = std::env::args()
-        .nth(1)
-        .map_or(1000, |s| s.parse().expect("N"));
+    let changes = changes_asked();
     let redis = RedisServer::start().await;
     let env = TestEnv::with_redis(POSTS, redis.url()).await;
     let mode = std::env::var("CHANGE_FEED").unwrap_or_else(|_| "replication".into());
@@ -152,13 +135,7 @@ async fn main() {
         }
     }
 
-    let load = SteadyLoad::start(
-        &https,
-        Zipf::new(POSTS as usize, 1.1),
-        4,
-        Duration::from_millis(4),
-    );
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let load = read_load(&https).await;
     let mut probes = Vec::new();
     let mut every = tokio::time::interval(PACE);
     for n in 1..=changes {

@@ -18,22 +18,19 @@
 //! more times, counting any older version. Then the same again with the
 //! standby stopped halfway.
 
+mod commit_to_read;
+
 use std::{
     collections::BTreeMap,
     time::{Duration, Instant},
 };
 
 use futures::future::join_all;
-use postcache::testkit::{
-    quantile, Http, PgServer, RedisServer, ServiceProcess, SteadyLoad, TestEnv, Zipf,
-};
+use postcache::testkit::{quantile, Http, PgServer, RedisServer, ServiceProcess, TestEnv};
 
-const POSTS: u64 = 1000;
-const HOT: i64 = 20;
-const INSTANCES: usize = 3;
-const PACE: Duration = Duration::from_millis(10);
-const AFTER: usize = 10;
-const PROBE_LIMIT: Duration = Duration::from_secs(5);
+use crate::commit_to_read::{
+    changes_asked, ms, read_load, update, AFTER, HOT, INSTANCES, PACE, POSTS, PROBE_LIMIT,
+};
 
 struct Probe {
     fresh_after: Option<Duration>,
@@ -104,10 +101,6 @@ async fn routed(fleet: &[ServiceProcess]) -> BTreeMap<String, f64> {
     routed
 }
 
-fn ms(d: Duration) -> String {
-    format!("{:.1}", d.as_secs_f64() * 1e3)
-}
-
 /// One run of `changes` updates; `halfway` runs at its middle.
 async fn run(
     label: &str,
@@ -119,13 +112,7 @@ async fn run(
 ) -> u64 {
     let https: Vec<Http> = fleet.iter().map(|s| s.http.clone()).collect();
     let routed0 = routed(fleet).await;
-    let load = SteadyLoad::start(
-        &https,
-        Zipf::new(POSTS as usize, 1.1),
-        4,
-        Duration::from_millis(4),
-    );
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let load = read_load(&https).await;
     let mut probes = Vec::new();
     let mut every = tokio::time::interval(PACE);
     for n in first..first + changes {
@@ -134,12 +121,7 @@ async fn run(
             halfway();
         }
         let id = (n as i64) % HOT + 1;
-        sqlx::query("update posts set title = $1 where id = $2")
-            .bind(format!("v{n}"))
-            .bind(id)
-            .execute(&env.admin)
-            .await
-            .unwrap();
+        update(env, id, n).await;
         let committed = Instant::now();
         for http in &https {
             probes.push(tokio::spawn(probe(http.clone(), id, n, committed)));
@@ -187,9 +169,7 @@ async fn run(
 
 #[tokio::main]
 async fn main() {
-    let changes: u64 = std::env::args()
-        .nth(1)
-        .map_or(1000, |s| s.parse().expect("N"));
+    let changes = changes_asked();
     let redis = RedisServer::start().await;
     let primary = PgServer::primary().await;
     let env = TestEnv::on_server(POSTS, primary.url(), redis.url()).await;

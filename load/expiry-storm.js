@@ -9,22 +9,12 @@
 //   MAX_ID       ids 1..MAX_ID are seeded (default 100000)
 //   SUMMARY_JSON where to write the JSON summary
 import { check } from 'k6';
-import { getPost, summarize, trendStats } from './lib.js';
+import { constantRate, getPost, summarize, trendStats } from './lib.js';
 
-const rate = parseInt(__ENV.RATE || '500', 10);
 const hot = parseInt(__ENV.HOT_KEYS || '20', 10);
 
 export const options = {
-  scenarios: {
-    storm: {
-      executor: 'constant-arrival-rate',
-      rate,
-      timeUnit: '1s',
-      duration: __ENV.DURATION || '20s',
-      preAllocatedVUs: Math.min(rate, 500),
-      maxVUs: 2000,
-    },
-  },
+  scenarios: { storm: constantRate(500, '20s') },
   thresholds: { post_req_failed: ['rate<0.01'] },
   summaryTrendStats: trendStats,
 };

@@ -33,6 +33,24 @@ export function getPost(id, n) {
   return res;
 }
 
+// A scenario of RATE requests a second (default `rate`) for DURATION
+// (default `duration`), whatever the latency: up to 2000 VUs are started
+// to hold the rate. `extra` adds to it (a startTime, say).
+export function constantRate(rate, duration, extra = {}) {
+  const perSecond = parseInt(__ENV.RATE || rate, 10);
+  return Object.assign(
+    {
+      executor: 'constant-arrival-rate',
+      rate: perSecond,
+      timeUnit: '1s',
+      duration: __ENV.DURATION || duration,
+      preAllocatedVUs: Math.min(perSecond, 500),
+      maxVUs: 2000,
+    },
+    extra,
+  );
+}
+
 // Percentiles reported in the JSON summary.
 export const trendStats = ['avg', 'min', 'med', 'max', 'p(50)', 'p(90)', 'p(95)', 'p(99)'];
 

@@ -9,23 +9,12 @@
 //   POST_ID      the hot post (default 1)
 //   SUMMARY_JSON where to write the JSON summary
 import { check } from 'k6';
-import { getPost, summarize, trendStats } from './lib.js';
+import { constantRate, getPost, summarize, trendStats } from './lib.js';
 
-const rate = parseInt(__ENV.RATE || '500', 10);
 const id = __ENV.POST_ID || '1';
 
 export const options = {
-  scenarios: {
-    swr: {
-      executor: 'constant-arrival-rate',
-      rate,
-      timeUnit: '1s',
-      duration: __ENV.DURATION || '20s',
-      preAllocatedVUs: Math.min(rate, 500),
-      maxVUs: 2000,
-      startTime: '1s',
-    },
-  },
+  scenarios: { swr: constantRate(500, '20s', { startTime: '1s' }) },
   thresholds: {
     post_req_failed: ['rate==0'],
     // At most the warm-up request (and one per instance) waits for a load.

@@ -9,24 +9,14 @@
 //   P95_MS, P99_MS latency thresholds (default 50 and 200)
 //   SUMMARY_JSON where to write the JSON summary
 import { check } from 'k6';
-import { getPost, summarize, trendStats } from './lib.js';
+import { constantRate, getPost, summarize, trendStats } from './lib.js';
 import { zipfSampler } from './zipf-sampler.js';
 
-const rate = parseInt(__ENV.RATE || '1000', 10);
 const maxId = parseInt(__ENV.MAX_ID || '100000', 10);
 const s = parseFloat(__ENV.ZIPF_S || '1.1');
 
 export const options = {
-  scenarios: {
-    zipf: {
-      executor: 'constant-arrival-rate',
-      rate,
-      timeUnit: '1s',
-      duration: __ENV.DURATION || '30s',
-      preAllocatedVUs: Math.min(rate, 500),
-      maxVUs: 2000,
-    },
-  },
+  scenarios: { zipf: constantRate(1000, '30s') },
   thresholds: {
     post_req_failed: ['rate<0.001'],
     post_req_duration: [`p(95)<${__ENV.P95_MS || 50}`, `p(99)<${__ENV.P99_MS || 200}`],

@@ -5,7 +5,7 @@ use std::{collections::HashMap, time::Duration};
 
 use futures::future::join_all;
 use postcache::testkit::{
-    available, fire, free_port, wait_until, RedisServer, TableLock, TestApp, TestEnv, PATIENT,
+    available, fire, wait_until, RedisServer, TableLock, TestApp, TestEnv, PATIENT,
 };
 
 /// Parses the Prometheus text format into `name{labels}` → value.
@@ -96,15 +96,7 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     assert_eq!(get(&kept, "postcache_memory_tier_serving"), 1.0);
 
     // A fail-open episode: an instance whose Redis is gone.
-    let closed = free_port();
-    let down = env
-        .spawn(&[
-            "--redis-url",
-            &format!("redis://127.0.0.1:{closed}"),
-            "--redis-timeout",
-            "100ms",
-        ])
-        .await;
+    let down = env.spawn_without_redis().await;
     let (_, before) = scrape(&down).await;
     for id in 1..=10 {
         let reply = down.get(&format!("/posts/{id}")).await;

@@ -202,15 +202,18 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let ryw = args
         .read_your_writes
         .then(|| readers::Ryw::new(fleet.targets(), history.clone()));
+    let shared = writers::Shared {
+        fleet: fleet.clone(),
+        posts,
+        history: history.clone(),
+        tally: write_log.clone(),
+        clock,
+    };
     let writer_tasks: Vec<_> = (0..args.writers)
         .map(|w| {
             let writer = writers::Writer::new(
                 w,
-                fleet.clone(),
-                posts.clone(),
-                history.clone(),
-                write_log.clone(),
-                clock,
+                shared.clone(),
                 StdRng::seed_from_u64(seed ^ (0x5772_6974 + w as u64)),
                 Duration::from_millis(args.write_pause_ms),
                 ryw.clone(),
@@ -218,15 +221,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             tokio::spawn(writer.run(stop.clone()))
         })
         .collect();
-    let reseeds = tokio::spawn(writers::reseed_now_and_then(
-        fleet.clone(),
-        posts.clone(),
-        history.clone(),
-        write_log.clone(),
-        clock,
-        deadline,
-        stop.clone(),
-    ));
+    let reseeds = tokio::spawn(writers::reseed_now_and_then(shared, deadline, stop.clone()));
     let reader_tasks: Vec<_> = (0..args.readers)
         .map(|r| {
             let reader = readers::Reader::new(

@@ -175,13 +175,21 @@ struct Plan {
     after: Vec<Change>,
 }
 
+/// What the writers and the reseeder share: the fleet they write to, the
+/// posts' states they write by, the history and the tally they record
+/// their writes in, and the clock that times them.
+#[derive(Clone)]
+pub struct Shared {
+    pub fleet: Arc<Fleet>,
+    pub posts: Arc<Posts>,
+    pub history: Arc<Mutex<History>>,
+    pub tally: Arc<Tally>,
+    pub clock: Clock,
+}
+
 pub struct Writer {
     name: String,
-    fleet: Arc<Fleet>,
-    posts: Arc<Posts>,
-    history: Arc<Mutex<History>>,
-    tally: Arc<Tally>,
-    clock: Clock,
+    shared: Shared,
     rng: StdRng,
     zipf: Zipf,
     pause: Duration,
@@ -191,26 +199,17 @@ pub struct Writer {
 }
 
 impl Writer {
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         index: usize,
-        fleet: Arc<Fleet>,
-        posts: Arc<Posts>,
-        history: Arc<Mutex<History>>,
-        tally: Arc<Tally>,
-        clock: Clock,
+        shared: Shared,
         rng: StdRng,
         pause: Duration,
         ryw: Option<Ryw>,
     ) -> Self {
-        let zipf = Zipf::new(posts.n as usize, 1.0);
+        let zipf = Zipf::new(shared.posts.n as usize, 1.0);
         Self {
             name: format!("coherence-writer-{index}"),
-            fleet,
-            posts,
-            history,
-            tally,
-            clock,
+            shared,
             rng,
             zipf,
             pause,
@@ -260,7 +259,7 @@ impl Writer {
             }
             _ => self.pick(1),
         };
-        let posts = self.posts.clone();
+        let posts = self.shared.posts.clone();
         let _writing = posts.all.read().await;
         let mut guards = Vec::with_capacity(picked.len());
         for &post in &picked {
@@ -287,7 +286,7 @@ impl Writer {
             let post = after[self.rng.random_range(0..after.len())].post;
             let target = ryw.pick(&mut self.rng);
             let mut errors = Errors::default();
-            let read = read_one_at(&target, post, Some(lsn), self.clock, &mut errors).await;
+            let read = read_one_at(&target, post, Some(lsn), self.shared.clock, &mut errors).await;
             ryw.record(read, lsn, true, errors);
         }
         Ok(())
@@ -426,7 +425,7 @@ impl Writer {
         if plan.after.is_empty() {
             return Ok(None);
         }
-        let clock = self.clock;
+        let clock = self.shared.clock;
         let Some(conn) = self.connection(stop).await else {
             return Ok(None);
         };
@@ -442,15 +441,15 @@ impl Writer {
             Err(error) => {
                 tracing::debug!(%error, writer = self.name, "a write failed; settling it");
                 self.conn = None;
-                *self.tally.settled.lock().unwrap() += 1;
-                settle(&self.fleet, &self.name, &plan.after, self.clock).await?
+                *self.shared.tally.settled.lock().unwrap() += 1;
+                settle(&self.shared.fleet, &self.name, &plan.after, clock).await?
             }
         };
-        self.tally.count(plan.kind, committed.is_some());
+        self.shared.tally.count(plan.kind, committed.is_some());
         let Some(committed) = committed else {
             return Ok(None);
         };
-        let mut history = self.history.lock().unwrap();
+        let mut history = self.shared.history.lock().unwrap();
         for change in &plan.after {
             history.commit(change.post, change.version(began, committed, lsn));
         }
@@ -465,7 +464,7 @@ impl Writer {
     /// PostgreSQL restarts, say); `None` once stopped.
     async fn connection(&mut self, stop: &CancellationToken) -> Option<&mut PgConnection> {
         while self.conn.is_none() {
-            match self.fleet.connect(&self.name).await {
+            match self.shared.fleet.connect(&self.name).await {
                 Ok(conn) => self.conn = Some(conn),
                 Err(_) => {
                     tokio::select! {
@@ -633,14 +632,17 @@ async fn settle_once(fleet: &Fleet, writer: &str, after: &[Change]) -> anyhow::R
 /// one), every post at once: a TRUNCATE, then a re-seed by COPY in a
 /// transaction of its own, every writer held off meanwhile.
 pub async fn reseed_now_and_then(
-    fleet: Arc<Fleet>,
-    posts: Arc<Posts>,
-    history: Arc<Mutex<History>>,
-    tally: Arc<Tally>,
-    clock: Clock,
+    shared: Shared,
     run: Duration,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
+    let Shared {
+        fleet,
+        posts,
+        history,
+        tally,
+        clock,
+    } = shared;
     let every = if run < Duration::from_secs(240) {
         run / 2
     } else {

@@ -1,3 +1,3 @@
 """The load lab behind load/compare: a small kit shared by the comparisons
-(kit, procs, db, servers, runners, cpu, report) and one module per
+(kit, flags, procs, db, servers, runners, cpu, report) and one module per
 comparison in scenarios/."""

@@ -65,10 +65,25 @@ def serve(cmd, port, what):
     return proc
 
 
-def start_nginx(nginx, template, d, port, under=(), **fields):
-    """nginx with the configuration template (its {user}, {dir} and {port}
-    filled in here, the other fields given) in the directory d."""
+# The start of every nginx.conf here: what the comparisons set alike, up to
+# the http block's own settings; each comparison's template goes on from there.
+NGINX_MAIN = """\
+{user}worker_processes {workers};
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+daemon off;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+"""
+
+
+def start_nginx(nginx, http, d, port, under=(), **fields):
+    """nginx in the directory d, its configuration NGINX_MAIN then http, the
+    template of the rest of the http block (their {user}, {dir} and {port}
+    filled in here, the other fields given: {workers} among them)."""
     conf = os.path.join(d, "nginx.conf")
+    template = NGINX_MAIN + http + "}}\n"
     with open(conf, "w") as f:
         f.write(template.format(user="user root;\n" if os.geteuid() == 0 else "", dir=d, port=port, **fields))
     return serve([*under, nginx, "-c", conf, "-p", d], port, "nginx")

@@ -10,6 +10,7 @@ use sqlx::{postgres::PgPoolOptions, Connection, PgConnection, PgPool};
 
 use super::{
     database::{blocked_loads, drop_slots},
+    free_port,
     http::TestApp,
     in_progress, init_tracing, postgres_port, redis_url, server_url, wait_until, ServiceProcess,
     TcpProxy, A_WHILE,
@@ -245,6 +246,15 @@ impl TestEnv {
             .spawn(&[&["--database-url", url.as_str()][..], flags].concat())
             .await;
         (proxy, app)
+    }
+
+    /// An instance whose Redis is gone (nothing listens on its port), each
+    /// call to it given up on after 100 ms: the fail-open path, without a
+    /// server to stop.
+    pub async fn spawn_without_redis(&self) -> TestApp {
+        let closed = format!("redis://127.0.0.1:{}", free_port());
+        self.spawn(&["--redis-url", &closed, "--redis-timeout", "100ms"])
+            .await
     }
 
     /// Waits until a waiter listens on post `id`'s ready channel.

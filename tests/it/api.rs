@@ -276,15 +276,8 @@ async fn healthz_is_ok_and_readyz_reports_both_backends() {
 #[tokio::test]
 async fn readyz_says_which_backend_is_down() {
     let env = TestEnv::new(1).await;
+    let no_redis = env.spawn_without_redis().await;
     let closed = free_port();
-    let no_redis = env
-        .spawn(&[
-            "--redis-url",
-            &format!("redis://127.0.0.1:{closed}"),
-            "--redis-timeout",
-            "100ms",
-        ])
-        .await;
     let no_postgres = env
         .spawn(&[
             "--database-url",

@@ -9,9 +9,12 @@ use futures::future::join_all;
 use postcache::{
     cli::invalidate::{self, Invalidated},
     testkit::{
-        wait_until, HeldLoad, RedisCluster, RedisServer, TestApp, TestEnv, A_WHILE, PATIENT,
+        wait_until, HeldLoad, RedisCluster, RedisServer, Reply, TestApp, TestEnv, A_WHILE, PATIENT,
     },
 };
+use tokio::task::JoinHandle;
+
+use crate::support::until_feed;
 
 /// Waits until every instance serves post `id` with `wanted`; how long.
 async fn until_everywhere(apps: &[TestApp], id: i64, wanted: &str) -> Duration {
@@ -113,38 +116,60 @@ async fn updates_and_deletes_reach_every_instance_on_a_redis_cluster_in_trigger_
     updates_and_deletes_reach_every_instance(&env, "trigger").await;
 }
 
-/// A leader held after its SELECT; the row changes and the change is
-/// applied, in Redis and in the leader's process; then the leader finishes.
-/// Its old row is neither stored nor served: its flight and the waiters
-/// elsewhere elect again and read the new row.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_old_row() {
-    let env = TestEnv::new(10).await;
-    let load = HeldLoad::first();
-    let leader = env.spawn_with_hooks(PATIENT, load.hooks()).await;
-    let other = env.spawn(PATIENT).await;
-    let fenced_before = leader.http.metric("postcache_fenced_total").await;
+/// Post 7's leader held after its SELECT, and a request for post 7 on
+/// another instance waiting for it: the window in which the tests of
+/// fencing change the row.
+struct FencingRace {
+    leader: TestApp,
+    other: TestApp,
+    load: HeldLoad,
+    /// The leader's `postcache_fenced_total` before the race.
+    fenced_before: f64,
+    leading: JoinHandle<(Reply, Instant)>,
+    waiting: JoinHandle<(Reply, Instant)>,
+}
 
-    let leading = leader.http.spawn_get("/posts/7");
-    load.until_held().await;
-    let waiting = other.http.spawn_get("/posts/7");
-    env.until_subscribed(7).await;
-    let evictions = leader.state.read_path.evictions(&7);
-    env.retitle(7, "after the change").await;
-    wait_until("the change to be applied", A_WHILE, async || {
-        env.pttl(&env.keys.fence(7)).await > 0 && leader.state.read_path.evictions(&7) > evictions
-    })
-    .await;
-    load.release();
+impl FencingRace {
+    /// The leader with `flags`, the other instance with [`PATIENT`]'s, and
+    /// both requests sent: the leader's load held, the waiter subscribed.
+    async fn start(env: &TestEnv, flags: &[&str]) -> Self {
+        let load = HeldLoad::first();
+        let leader = env.spawn_with_hooks(flags, load.hooks()).await;
+        let other = env.spawn(PATIENT).await;
+        let fenced_before = leader.http.metric("postcache_fenced_total").await;
 
-    let (lead, _) = leading.await.unwrap();
-    let (wait, _) = waiting.await.unwrap();
-    assert_eq!(lead.status, 200);
-    assert_eq!(
-        lead.json()["title"],
-        "after the change",
-        "the leader's own request"
-    );
+        let leading = leader.http.spawn_get("/posts/7");
+        load.until_held().await;
+        let waiting = other.http.spawn_get("/posts/7");
+        env.until_subscribed(7).await;
+        Self {
+            leader,
+            other,
+            load,
+            fenced_before,
+            leading,
+            waiting,
+        }
+    }
+
+    /// Lets the leader's load go on to its finish: the leader's reply, then
+    /// the waiter's. Called once (a request's task is awaited once).
+    async fn release(&mut self) -> (Reply, Reply) {
+        self.load.release();
+        let (lead, _) = (&mut self.leading).await.unwrap();
+        let (wait, _) = (&mut self.waiting).await.unwrap();
+        (lead, wait)
+    }
+
+    /// The leader's finishes fenced since the race began.
+    async fn fenced(&self) -> f64 {
+        self.leader.http.metric("postcache_fenced_total").await - self.fenced_before
+    }
+}
+
+/// Whatever the leader answered, the waiter elsewhere read the new row,
+/// and the new row is what Redis stores.
+async fn the_new_row_reached_the_waiter_and_redis(env: &TestEnv, wait: &Reply) {
     assert_eq!(
         wait.json()["title"],
         "after the change",
@@ -152,11 +177,38 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
     );
     let body = env.stored_post(7).await.expect("the new row is stored");
     assert_eq!(body["title"], "after the change");
+}
+
+/// A leader held after its SELECT; the row changes and the change is
+/// applied, in Redis and in the leader's process; then the leader finishes.
+/// Its old row is neither stored nor served: its flight and the waiters
+/// elsewhere elect again and read the new row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_old_row() {
+    let env = TestEnv::new(10).await;
+    let mut race = FencingRace::start(&env, PATIENT).await;
+    let read_path = &race.leader.state.read_path;
+
+    let evictions = read_path.evictions(&7);
+    env.retitle(7, "after the change").await;
+    wait_until("the change to be applied", A_WHILE, async || {
+        env.pttl(&env.keys.fence(7)).await > 0 && read_path.evictions(&7) > evictions
+    })
+    .await;
+    let (lead, wait) = race.release().await;
+
+    assert_eq!(lead.status, 200);
     assert_eq!(
-        other.http.title(7).await.as_deref(),
+        lead.json()["title"],
+        "after the change",
+        "the leader's own request"
+    );
+    the_new_row_reached_the_waiter_and_redis(&env, &wait).await;
+    assert_eq!(
+        race.other.http.title(7).await.as_deref(),
         Some("after the change")
     );
-    let fenced = leader.http.metric("postcache_fenced_total").await - fenced_before;
+    let fenced = race.fenced().await;
     assert!(fenced >= 1.0, "fenced {fenced} times");
 }
 
@@ -168,40 +220,25 @@ async fn a_leader_that_read_before_a_change_stores_nothing_and_no_one_gets_the_o
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_leader_answers_the_row_it_read_before_its_finish_which_a_change_fences() {
     let env = TestEnv::new(10).await;
-    let load = HeldLoad::first();
     let feed_off = [PATIENT, &["--change-feed", "off"]].concat();
-    let leader = env.spawn_with_hooks(&feed_off, load.hooks()).await;
-    let other = env.spawn(PATIENT).await;
-    let fenced_before = leader.http.metric("postcache_fenced_total").await;
+    let mut race = FencingRace::start(&env, &feed_off).await;
 
-    let leading = leader.http.spawn_get("/posts/7");
-    load.until_held().await;
-    let waiting = other.http.spawn_get("/posts/7");
-    env.until_subscribed(7).await;
     env.retitle(7, "after the change").await;
     wait_until("the change to be applied", A_WHILE, async || {
         env.pttl(&env.keys.fence(7)).await > 0
     })
     .await;
-    load.release();
+    let (lead, wait) = race.release().await;
 
-    let (lead, _) = leading.await.unwrap();
-    let (wait, _) = waiting.await.unwrap();
     assert_eq!((lead.status, lead.x_cache.as_deref()), (200, Some("miss")));
     assert_ne!(
         lead.json()["title"],
         "after the change",
         "the leader's own request gets the row it read"
     );
-    assert_eq!(
-        wait.json()["title"],
-        "after the change",
-        "a waiter elsewhere"
-    );
-    let body = env.stored_post(7).await.expect("the new row is stored");
-    assert_eq!(body["title"], "after the change");
+    the_new_row_reached_the_waiter_and_redis(&env, &wait).await;
     wait_until("the leader's finish to be fenced", A_WHILE, async || {
-        leader.http.metric("postcache_fenced_total").await > fenced_before
+        race.fenced().await > 0.0
     })
     .await;
 }
@@ -383,16 +420,10 @@ async fn a_change_made_while_redis_is_paused_in(mode: &str, pause_ms: u64) {
     redis.cli(&["client", "pause", &pause_ms.to_string(), "all"]);
     env.retitle(2, "changed during the pause").await;
     let paused = Instant::now();
-    wait_until("the feed to say it is down", A_WHILE, async || {
-        app.get("/readyz").await.json()["change_feed"] == "down"
-    })
-    .await;
+    until_feed(&app.http, "down").await;
     tokio::time::sleep(Duration::from_millis(pause_ms).saturating_sub(paused.elapsed())).await;
 
-    wait_until("the feed to be up again", A_WHILE, async || {
-        app.get("/readyz").await.json()["change_feed"] == "up"
-    })
-    .await;
+    until_feed(&app.http, "up").await;
     let after = app.get("/posts/2").await;
     assert_eq!(after.json()["title"], "changed during the pause");
     assert_ne!(
@@ -561,10 +592,7 @@ async fn a_stalled_cluster_node_does_not_hold_back_the_other_shards_changes() {
         "the healthy shard's change waited {healthy_after:?}"
     );
     assert!(during_pause, "measured while the node was stalled");
-    wait_until("the feed to be up again", A_WHILE, async || {
-        app.get("/readyz").await.json()["change_feed"] == "up"
-    })
-    .await;
+    until_feed(&app.http, "up").await;
 }
 
 /// CHANGE_FEED=off: today's behaviour, a change waits for the TTL.

@@ -9,7 +9,10 @@ use postcache::{
     testkit::{fire, wait_until, RedisCluster, TableLock, TestApp, TestEnv, PATIENT},
 };
 
-use crate::scenarios;
+use crate::{
+    scenarios,
+    support::{replies, served_as},
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_thousand_misses_over_three_instances_make_one_query_on_a_cluster() {
@@ -58,11 +61,7 @@ async fn a_posts_keys_share_one_slot_and_waiters_use_shard_channels() {
         .collect();
     let inspected = inspect::run(&env.inspect_args(&["5"])).await.unwrap();
     lock.release().await;
-    let replies: Vec<_> = join_all(requests)
-        .await
-        .into_iter()
-        .map(|r| r.unwrap().0)
-        .collect();
+    let replies = replies(requests).await;
     let after = inspect::run(&env.inspect_args(&["5"])).await.unwrap();
 
     assert!(
@@ -70,11 +69,7 @@ async fn a_posts_keys_share_one_slot_and_waiters_use_shard_channels() {
         "classic subscribers: {classic:?}"
     );
     assert!(replies.iter().all(|r| r.status == 200));
-    let misses = replies
-        .iter()
-        .filter(|r| r.x_cache.as_deref() == Some("miss"))
-        .count();
-    assert_eq!(misses, 1);
+    assert_eq!(served_as(&replies, "miss"), 1);
     // `inspect` on a cluster: the shard subscriber and the lock, then the entry.
     assert!(inspected.lock.held);
     assert_eq!(inspected.ready_channel.subscribers, 1);

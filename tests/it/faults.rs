@@ -11,6 +11,8 @@ use postcache::{
     testkit::{fire, wait_until, RedisServer, TableLock, TestApp, TestEnv, A_WHILE, PATIENT},
 };
 
+use crate::support::fresh_for;
+
 async fn statuses(
     app: &TestApp,
     ids: impl IntoIterator<Item = i64>,
@@ -568,22 +570,21 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
 async fn with_the_database_stalled_a_storm_over_many_keys_is_served_from_their_copies() {
     let env = TestEnv::new(40).await;
     let (proxy, app) = env
-        .spawn_proxied(&[
-            "--cache-ttl",
+        .spawn_proxied(&fresh_for(
             "300ms",
-            "--ttl-jitter",
-            "0",
-            "--max-stale",
-            "1h",
-            "--failure-ttl",
-            "2s",
-            "--db-max-connections",
-            "2",
-            "--db-acquire-timeout",
-            "300ms",
-            "--l1-max-bytes",
-            "0",
-        ])
+            &[
+                "--max-stale",
+                "1h",
+                "--failure-ttl",
+                "2s",
+                "--db-max-connections",
+                "2",
+                "--db-acquire-timeout",
+                "300ms",
+                "--l1-max-bytes",
+                "0",
+            ],
+        ))
         .await;
     for id in 1..=40 {
         assert_eq!(app.get(&format!("/posts/{id}")).await.status, 200);

@@ -12,6 +12,8 @@ use postcache::{
 use reqwest::Method;
 use tokio::task::JoinHandle;
 
+use crate::support::fresh_for;
+
 /// Fires `n` requests for `path` over `apps` and returns the replies.
 async fn burst(apps: &[TestApp], path: &str, n: usize) -> Vec<Reply> {
     join_all((0..n).map(|i| apps[i % apps.len()].get(path))).await
@@ -26,6 +28,15 @@ fn revalidate(app: &TestApp, path: &str, tag: &str) -> JoinHandle<Reply> {
     })
 }
 
+/// Two instances with `flags`, and the first one's reply to post `id`,
+/// a miss: the post is loaded and stored for both.
+async fn two_after_a_miss(env: &TestEnv, flags: &[&str], id: i64) -> (Vec<TestApp>, Reply) {
+    let apps = join_all((0..2).map(|_| env.spawn(flags))).await;
+    let first = apps[0].get(&format!("/posts/{id}")).await;
+    assert_eq!(first.x_cache.as_deref(), Some("miss"));
+    (apps, first)
+}
+
 #[track_caller]
 fn tags(replies: &[Reply]) -> Vec<&str> {
     replies
@@ -38,25 +49,20 @@ fn tags(replies: &[Reply]) -> Vec<&str> {
 async fn a_stale_entry_is_served_at_once_while_one_refresh_runs_for_the_fleet() {
     let env = TestEnv::new(10).await;
     let before = env.post_reads().await;
-    let flags = [
-        "--cache-ttl",
+    let flags = fresh_for(
         "1s",
-        "--ttl-jitter",
-        "0",
-        "--stale-while-revalidate",
-        "60s",
-        "--redis-timeout",
-        "2s",
-        "--lock-ttl",
-        "20s",
-        "--db-statement-timeout",
-        "15s",
-    ];
-    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
-    assert_eq!(
-        apps[0].get("/posts/3").await.x_cache.as_deref(),
-        Some("miss")
+        &[
+            "--stale-while-revalidate",
+            "60s",
+            "--redis-timeout",
+            "2s",
+            "--lock-ttl",
+            "20s",
+            "--db-statement-timeout",
+            "15s",
+        ],
     );
+    let (apps, _) = two_after_a_miss(&env, &flags, 3).await;
     tokio::time::sleep(Duration::from_millis(1_100)).await;
 
     // The refresh will be held back by the table lock: every answer must
@@ -103,14 +109,7 @@ async fn a_stale_entry_is_served_at_once_while_one_refresh_runs_for_the_fleet() 
 async fn past_the_grace_window_a_stale_entry_is_a_miss() {
     let env = TestEnv::new(10).await;
     let app = env
-        .spawn(&[
-            "--cache-ttl",
-            "300ms",
-            "--ttl-jitter",
-            "0",
-            "--stale-while-revalidate",
-            "300ms",
-        ])
+        .spawn(&fresh_for("300ms", &["--stale-while-revalidate", "300ms"]))
         .await;
     assert_eq!(app.get("/posts/2").await.x_cache.as_deref(), Some("miss"));
     // Kept past TTL + grace, as the fail-safe copy (MAX_STALE): what ends
@@ -134,21 +133,11 @@ async fn under_steady_traffic_early_refresh_keeps_a_hot_key_from_ever_missing() 
     // expiry (each hit fires with probability exp(−remaining / (Δ·β))).
     env.slow_loads(Duration::from_millis(20)).await;
     let before = env.post_reads().await;
-    let flags = [
-        "--cache-ttl",
+    let flags = fresh_for(
         "1s",
-        "--ttl-jitter",
-        "0",
-        "--early-refresh-beta",
-        "2.5",
-        "--redis-timeout",
-        "2s",
-    ];
-    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
-    assert_eq!(
-        apps[0].get("/posts/4").await.x_cache.as_deref(),
-        Some("miss")
+        &["--early-refresh-beta", "2.5", "--redis-timeout", "2s"],
     );
+    let (apps, _) = two_after_a_miss(&env, &flags, 4).await;
 
     let run = Duration::from_secs(4);
     let started = Instant::now();
@@ -179,21 +168,18 @@ async fn under_steady_traffic_early_refresh_keeps_a_hot_key_from_ever_missing() 
 async fn when_loads_fail_the_fail_safe_copy_is_served_and_the_database_is_tried_once_per_failure_ttl(
 ) {
     let env = TestEnv::new(10).await;
-    let flags = [
-        "--cache-ttl",
+    let flags = fresh_for(
         "300ms",
-        "--ttl-jitter",
-        "0",
-        "--failure-ttl",
-        "500ms",
-        "--max-stale",
-        "1h",
-        "--redis-timeout",
-        "2s",
-    ];
-    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
-    let fresh = apps[0].get("/posts/5").await;
-    assert_eq!(fresh.x_cache.as_deref(), Some("miss"));
+        &[
+            "--failure-ttl",
+            "500ms",
+            "--max-stale",
+            "1h",
+            "--redis-timeout",
+            "2s",
+        ],
+    );
+    let (apps, fresh) = two_after_a_miss(&env, &flags, 5).await;
     tokio::time::sleep(Duration::from_millis(350)).await;
     let copy = env.stored(5).await.expect("kept as the fail-safe copy");
     assert!(copy.fresh_until() < now_millis(), "past its freshness");

@@ -5,6 +5,8 @@
 
 use postcache::testkit::{wait_until, RedisServer, TestApp, TestEnv, A_WHILE};
 
+use crate::support::until_feed;
+
 /// The existence guard on (the tests' instances have it off).
 const GUARDED: &[&str] = &["--existence-guard", "on"];
 
@@ -160,20 +162,14 @@ async fn while_the_feed_is_down_the_guard_stands_aside_and_is_built_again_after(
     .execute(&env.admin)
     .await
     .unwrap();
-    wait_until("the feed to say it is down", A_WHILE, async || {
-        app.get("/readyz").await.json()["change_feed"] == "down"
-    })
-    .await;
+    until_feed(&app.http, "down").await;
     wait_until("the guard to stand aside", A_WHILE, async || {
         guard().wants_build()
     })
     .await;
     assert!(!guard().says_missing(50), "aside while the feed is down");
 
-    wait_until("the feed to be up again", A_WHILE, async || {
-        app.get("/readyz").await.json()["change_feed"] == "up"
-    })
-    .await;
+    until_feed(&app.http, "up").await;
     wait_until("the guard to be built again", A_WHILE, async || {
         guard().says_missing(999)
     })

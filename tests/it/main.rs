@@ -1,7 +1,8 @@
 //! The integration tests, in one binary: each module drives the real service
 //! against the real PostgreSQL and Redis, each test in a world of its own
 //! (`postcache::testkit`). The metrics test has a binary of its own: it
-//! counts exact deltas of the process-wide recorder.
+//! counts exact deltas of the process-wide recorder. What several modules
+//! share beyond the testkit is in `support`.
 
 mod api;
 mod batch_reads;
@@ -27,4 +28,5 @@ mod replication;
 mod restarts;
 mod scenarios;
 mod single_flight;
+mod support;
 mod toolkit;

@@ -7,9 +7,9 @@
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use postcache::testkit::{
-    answered, fire, wait_until, RedisServer, TableLock, TestEnv, A_WHILE, PATIENT,
-};
+use postcache::testkit::{fire, wait_until, RedisServer, TableLock, TestEnv, A_WHILE, PATIENT};
+
+use crate::support::{fresh_for, replies, served_as};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stampede_warms_every_instance_with_one_load() {
@@ -20,22 +20,14 @@ async fn a_stampede_warms_every_instance_with_one_load() {
     let requests = fire(&apps, "/posts/7", 300);
     env.until_held(&apps, 300).await;
     lock.release().await;
-    let replies: Vec<_> = answered(requests)
-        .await
-        .into_iter()
-        .map(|(r, _)| r)
-        .collect();
+    let replies = replies(requests).await;
     let after: Vec<_> = join_all(apps.iter().map(|app| app.get("/posts/7"))).await;
     for app in apps {
         app.stop().await;
     }
 
     assert!(replies.iter().all(|r| r.status == 200));
-    let misses = replies
-        .iter()
-        .filter(|r| r.x_cache.as_deref() == Some("miss"))
-        .count();
-    assert_eq!(misses, 1);
+    assert_eq!(served_as(&replies, "miss"), 1);
     // Cache-Status says the same in RFC 9211's words: `local` for the
     // requests that joined a flight of their instance, `fleet` for the
     // flights answered by another instance's load.
@@ -77,7 +69,7 @@ async fn a_stampede_warms_every_instance_with_one_load() {
 #[tokio::test]
 async fn a_memory_hit_is_never_served_past_its_freshness() {
     let env = TestEnv::new(3).await;
-    let app = env.spawn(&["--cache-ttl", "1s", "--ttl-jitter", "0"]).await;
+    let app = env.spawn(&fresh_for("1s", &[])).await;
     // Each entry was loaded before its miss was answered: fresh until at
     // most one CACHE_TTL after that.
     let mut fresh_until = None;
@@ -182,14 +174,7 @@ async fn the_byte_budget_holds_under_large_posts() {
 async fn memory_hits_past_the_refresh_point_start_the_fleet_wide_refresh() {
     let env = TestEnv::new(3).await;
     let app = env
-        .spawn(&[
-            "--cache-ttl",
-            "1s",
-            "--ttl-jitter",
-            "0",
-            "--early-refresh-beta",
-            "5000",
-        ])
+        .spawn(&fresh_for("1s", &["--early-refresh-beta", "5000"]))
         .await;
     app.get("/posts/3").await;
     let mut tiers = Vec::new();

@@ -22,6 +22,21 @@ async fn all_bypass(app: &TestApp, ids: std::ops::RangeInclusive<i64>) {
     }
 }
 
+/// A replica of `master`, started with `flags` besides, once it has synced
+/// (its link to the master up).
+async fn synced_replica(master: &RedisServer, flags: &[&str]) -> RedisServer {
+    let port = master.port.to_string();
+    let replicaof = ["--replicaof", "127.0.0.1", &port];
+    let replica = RedisServer::start_with(&[&replicaof[..], flags].concat()).await;
+    wait_until("the replica to sync", A_WHILE, async || {
+        replica
+            .cli(&["info", "replication"])
+            .contains("master_link_status:up")
+    })
+    .await;
+    replica
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redis_loading_its_data_opens_the_breaker() {
     // A master with a dataset that takes seconds to load on its replica:
@@ -71,14 +86,7 @@ async fn a_redis_loading_its_data_opens_the_breaker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_read_only_replica_refuses_the_first_look_and_opens_the_breaker() {
     let master = RedisServer::start().await;
-    let replica =
-        RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port.to_string()]).await;
-    wait_until("the replica to sync", A_WHILE, async || {
-        replica
-            .cli(&["info", "replication"])
-            .contains("master_link_status:up")
-    })
-    .await;
+    let replica = synced_replica(&master, &[]).await;
     let env = TestEnv::with_redis(10, replica.url()).await;
     let app = env.spawn(&["--redis-timeout", "250ms"]).await;
     let (outages, replies) = (
@@ -103,20 +111,7 @@ async fn a_read_only_replica_refuses_the_first_look_and_opens_the_breaker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_that_loses_its_master_opens_the_breaker() {
     let mut master = RedisServer::start().await;
-    let replica = RedisServer::start_with(&[
-        "--replicaof",
-        "127.0.0.1",
-        &master.port.to_string(),
-        "--replica-serve-stale-data",
-        "no",
-    ])
-    .await;
-    wait_until("the replica to sync", A_WHILE, async || {
-        replica
-            .cli(&["info", "replication"])
-            .contains("master_link_status:up")
-    })
-    .await;
+    let replica = synced_replica(&master, &["--replica-serve-stale-data", "no"]).await;
     // Connected while it serves (PING, which clients send as they connect,
     // is refused too once its master is gone).
     let env = TestEnv::with_redis(10, replica.url()).await;

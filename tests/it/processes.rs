@@ -182,27 +182,38 @@ async fn passwords_in_the_urls_never_reach_logs_or_responses() {
     }
 }
 
-#[tokio::test]
-async fn postgres_over_tls_with_sslmode_require() {
+/// A world of 3 posts, where the PostgreSQL server has ssl on; `None`
+/// where it is off (the test is skipped).
+async fn on_a_server_with_ssl() -> Option<TestEnv> {
     let env = TestEnv::new(3).await;
     let ssl: String = sqlx::query_scalar("show ssl")
         .fetch_one(&env.admin)
         .await
         .unwrap();
-    if !available("PostgreSQL with ssl on", ssl == "on") {
-        return;
-    }
-    let url = format!("{}?sslmode=require", env.db_url);
-    let app = env.spawn(&["--database-url", &url]).await;
+    available("PostgreSQL with ssl on", ssl == "on").then_some(env)
+}
 
-    assert_eq!(app.get("/posts/2").await.status, 200);
-    let on_tls: i64 = sqlx::query_scalar(
+/// The service's connections to `env`'s database that are encrypted.
+async fn encrypted_connections(env: &TestEnv) -> i64 {
+    sqlx::query_scalar(
         "select count(*) from pg_stat_ssl s join pg_stat_activity a using (pid)
          where s.ssl and a.application_name = 'postcache' and a.datname = current_database()",
     )
     .fetch_one(&env.admin)
     .await
-    .unwrap();
+    .unwrap()
+}
+
+#[tokio::test]
+async fn postgres_over_tls_with_sslmode_require() {
+    let Some(env) = on_a_server_with_ssl().await else {
+        return;
+    };
+    let url = format!("{}?sslmode=require", env.db_url);
+    let app = env.spawn(&["--database-url", &url]).await;
+
+    assert_eq!(app.get("/posts/2").await.status, 200);
+    let on_tls = encrypted_connections(&env).await;
     assert!(on_tls >= 1, "the service's connection is not encrypted");
 }
 
@@ -241,14 +252,9 @@ async fn self_signed_server_cert(env: &TestEnv) -> Option<String> {
 /// With another root, it refuses to start, naming the certificate.
 #[tokio::test]
 async fn postgres_over_tls_with_verify_full_and_a_root_certificate() {
-    let env = TestEnv::new(3).await;
-    let ssl: String = sqlx::query_scalar("show ssl")
-        .fetch_one(&env.admin)
-        .await
-        .unwrap();
-    if !available("PostgreSQL with ssl on", ssl == "on") {
+    let Some(env) = on_a_server_with_ssl().await else {
         return;
-    }
+    };
     let root = self_signed_server_cert(&env).await;
     if !available(
         "a self-signed server certificate naming localhost",
@@ -266,13 +272,7 @@ async fn postgres_over_tls_with_verify_full_and_a_root_certificate() {
     };
     let app = env.spawn(&["--database-url", &url(&root)]).await;
     assert_eq!(app.get("/posts/2").await.status, 200);
-    let on_tls: i64 = sqlx::query_scalar(
-        "select count(*) from pg_stat_ssl s join pg_stat_activity a using (pid)
-         where s.ssl and a.application_name = 'postcache' and a.datname = current_database()",
-    )
-    .fetch_one(&env.admin)
-    .await
-    .unwrap();
+    let on_tls = encrypted_connections(&env).await;
     assert!(on_tls >= 1, "the service's connection is not encrypted");
 
     // Another root: a CA of its own, which signed nothing the server has.

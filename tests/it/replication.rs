@@ -7,10 +7,12 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use postcache::testkit::{
-    eventually, wait_until, RedisServer, ServiceProcess, TestApp, TestEnv, A_WHILE,
-    REPLICATION_LONG_LIVED,
+    available, eventually, redis_url, wait_until, PgServer, RedisServer, ServiceProcess, TestApp,
+    TestEnv, A_WHILE, REPLICATION_LONG_LIVED,
 };
 use sqlx::{Connection, PgConnection};
+
+use crate::support::until_feed;
 
 async fn until_titled(http: &postcache::testkit::Http, id: i64, wanted: &str) {
     wait_until(
@@ -50,6 +52,39 @@ async fn drop_slot_by_hand(env: &TestEnv, name: &str) {
             .is_ok()
     })
     .await;
+}
+
+/// What `postcache_change_feed_decoder` says on each process of `fleet`:
+/// 1 on the one whose decoder holds the slot, 0 on the others.
+async fn decoders(fleet: &[ServiceProcess]) -> Vec<f64> {
+    let decoder = "postcache_change_feed_decoder";
+    join_all(fleet.iter().map(|p| p.http.metric(decoder))).await
+}
+
+/// Waits until exactly one process of `fleet` holds the slot (`what` names
+/// the wait if it times out): the fleet elects its decoder by the slot, at
+/// start and after a death, within moments.
+async fn until_one_decoder(fleet: &[ServiceProcess], what: &str) {
+    wait_until(what, A_WHILE, async || {
+        decoders(fleet).await.iter().sum::<f64>() == 1.0
+    })
+    .await;
+}
+
+/// A world of 5 posts on a private primary (its server, to be kept while
+/// the world is) whose `settings` (`alter system set ...`) are in force: a
+/// test that changes the server's settings must not change the shared
+/// one's. `None` where initdb is missing (the test is skipped).
+async fn on_a_private_primary(settings: &[&str]) -> Option<(PgServer, TestEnv)> {
+    if !available("initdb", PgServer::available()) {
+        return None;
+    }
+    let primary = PgServer::primary().await;
+    let env = TestEnv::on_server(5, primary.url(), redis_url()).await;
+    for sql in settings.iter().copied().chain(["select pg_reload_conf()"]) {
+        sqlx::query(sql).execute(&env.admin).await.unwrap();
+    }
+    Some((primary, env))
 }
 
 /// Lifetimes far past the tests' bounds: a change lost would be served for
@@ -151,13 +186,8 @@ async fn the_decoder_killed_while_rows_change_loses_no_change() {
     let mut vars: Vec<(&str, String)> = vec![("CHANGE_FEED", "replication".to_owned())];
     vars.extend(LONG_LIVED.iter().map(|(k, v)| (*k, v.to_string())));
     let mut fleet: Vec<ServiceProcess> = join_all((0..3).map(|_| env.start_process(&vars))).await;
-    let decoder = "postcache_change_feed_decoder";
-    wait_until("one decoder", A_WHILE, async || {
-        let held = join_all(fleet.iter().map(|p| p.http.metric(decoder))).await;
-        held.iter().sum::<f64>() == 1.0
-    })
-    .await;
-    let held = join_all(fleet.iter().map(|p| p.http.metric(decoder))).await;
+    until_one_decoder(&fleet, "one decoder").await;
+    let held = decoders(&fleet).await;
     let holder = held.iter().position(|h| *h == 1.0).unwrap();
     let readers: Vec<_> = fleet.iter().map(|p| keep_reading(&p.http, 30)).collect();
 
@@ -168,19 +198,12 @@ async fn the_decoder_killed_while_rows_change_loses_no_change() {
     retitle_all(&env, 21..=30, "during the takeover").await;
     let mut dead = fleet.remove(holder);
     assert!(dead.exits_within(Duration::from_secs(5)).await);
-    wait_until("another instance to hold the slot", A_WHILE, async || {
-        let held = join_all(fleet.iter().map(|p| p.http.metric(decoder))).await;
-        held.iter().sum::<f64>() == 1.0
-    })
-    .await;
+    until_one_decoder(&fleet, "another instance to hold the slot").await;
     let took_over = killed.elapsed();
     writer.await.unwrap();
 
     for process in &fleet {
-        wait_until("the feed up", A_WHILE, async || {
-            process.http.get("/readyz").await.json()["change_feed"] == "up"
-        })
-        .await;
+        until_feed(&process.http, "up").await;
     }
     for process in &fleet {
         all_titled_within(&process.http, 20, "round 59", Duration::from_secs(3)).await;
@@ -212,10 +235,7 @@ async fn the_replication_connection_cut_without_the_slot_dropped_loses_no_change
     let flags = REPLICATION_LONG_LIVED;
     let apps: Vec<TestApp> = join_all((0..2).map(|_| env.spawn(&flags))).await;
     for app in &apps {
-        wait_until("the feed up", A_WHILE, async || {
-            app.get("/readyz").await.json()["change_feed"] == "up"
-        })
-        .await;
+        until_feed(&app.http, "up").await;
     }
     let gaps = r#"postcache_change_feed_gaps_total{why="slot_missing"}"#;
     let gaps_before = apps[0].http.metric(gaps).await;
@@ -256,27 +276,16 @@ async fn instances_say_down_once_the_decoders_beats_are_2_s_late() {
     let env = TestEnv::new(5).await;
     let feed = [("CHANGE_FEED", "replication".to_owned())];
     let fleet: Vec<ServiceProcess> = join_all((0..2).map(|_| env.start_process(&feed))).await;
-    let decoder = "postcache_change_feed_decoder";
-    wait_until("one decoder", A_WHILE, async || {
-        let held = join_all(fleet.iter().map(|p| p.http.metric(decoder))).await;
-        held.iter().sum::<f64>() == 1.0
-    })
-    .await;
-    let held = join_all(fleet.iter().map(|p| p.http.metric(decoder))).await;
+    until_one_decoder(&fleet, "one decoder").await;
+    let held = decoders(&fleet).await;
     let (holder, watcher) = if held[0] == 1.0 { (0, 1) } else { (1, 0) };
     let watcher = &fleet[watcher].http;
-    wait_until("the feed up", A_WHILE, async || {
-        watcher.get("/readyz").await.json()["change_feed"] == "up"
-    })
-    .await;
+    until_feed(watcher, "up").await;
     assert_eq!(watcher.metric("postcache_memory_tier_serving").await, 1.0);
 
     fleet[holder].signal("STOP");
     let stopped = Instant::now();
-    wait_until("the feed down", A_WHILE, async || {
-        watcher.get("/readyz").await.json()["change_feed"] == "down"
-    })
-    .await;
+    until_feed(watcher, "down").await;
     let down_after = stopped.elapsed();
     let serving = watcher.metric("postcache_memory_tier_serving").await;
     fleet[holder].signal("CONT");
@@ -295,22 +304,13 @@ async fn instances_say_down_once_the_decoders_beats_are_2_s_late() {
 /// change the slot lost is served, and the gap is counted as such.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slot_invalidated_past_max_slot_wal_keep_size_is_a_gap_closed_by_the_cutoff() {
-    if !postcache::testkit::available("initdb", postcache::testkit::PgServer::available()) {
+    let Some((_primary, env)) =
+        on_a_private_primary(&["alter system set max_slot_wal_keep_size = '32MB'"]).await
+    else {
         return;
-    }
-    let primary = postcache::testkit::PgServer::primary().await;
-    let env = TestEnv::on_server(5, primary.url(), postcache::testkit::redis_url()).await;
-    for sql in [
-        "alter system set max_slot_wal_keep_size = '32MB'",
-        "select pg_reload_conf()",
-    ] {
-        sqlx::query(sql).execute(&env.admin).await.unwrap();
-    }
+    };
     let app = env.spawn(&REPLICATION_LONG_LIVED).await;
-    wait_until("the feed up", A_WHILE, async || {
-        app.get("/readyz").await.json()["change_feed"] == "up"
-    })
-    .await;
+    until_feed(&app.http, "up").await;
     let before = app.http.title(3).await.expect("post 3");
     app.stop().await;
 
@@ -366,10 +366,7 @@ async fn a_slot_dropped_by_hand_is_a_gap_closed_by_the_cutoff() {
     until_titled(&app.http, 3, "made in the gap").await;
     assert!(app.http.metric(gaps).await > before, "the gap is counted");
     assert!(slot(&env).await.is_some(), "the slot is made again");
-    wait_until("the feed up", A_WHILE, async || {
-        app.get("/readyz").await.json()["change_feed"] == "up"
-    })
-    .await;
+    until_feed(&app.http, "up").await;
 }
 
 /// An instance marked the gap and made the slot, then died before it
@@ -458,18 +455,12 @@ async fn redis_restarted_while_rows_change_loses_no_change() {
         "600s",
     ];
     let decoder = env.spawn(&flags).await;
-    let ready = async |app: &TestApp| {
-        wait_until("the feed up", A_WHILE, async || {
-            app.get("/readyz").await.json()["change_feed"] == "up"
-        })
-        .await;
-    };
-    ready(&decoder).await;
+    until_feed(&decoder.http, "up").await;
     let through_proxy = format!("redis://{}", proxy.addr);
     let late = env
         .spawn(&[&flags[..], &["--redis-url", &through_proxy]].concat())
         .await;
-    ready(&late).await;
+    until_feed(&late.http, "up").await;
     let apps = [decoder, late];
     let readers: Vec<_> = apps.iter().map(|app| keep_reading(&app.http, 20)).collect();
     let writer = keep_writing(&env, 30, 10);
@@ -830,27 +821,20 @@ async fn on_a_server_without_logical_decoding_auto_is_the_trigger_mode() {
 /// reads new soon after the wait is cancelled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_decoded_before_it_is_visible_is_not_hidden_by_a_load_of_the_old_row() {
-    if !postcache::testkit::available("initdb", postcache::testkit::PgServer::available()) {
-        return;
-    }
-    let primary = postcache::testkit::PgServer::primary().await;
-    let env = TestEnv::on_server(5, primary.url(), postcache::testkit::redis_url()).await;
-    for sql in [
+    let Some((_primary, env)) = on_a_private_primary(&[
         "alter system set synchronous_standby_names = 'nobody'",
         // Every other session commits without waiting for it.
         "alter system set synchronous_commit = 'local'",
-        "select pg_reload_conf()",
-    ] {
-        sqlx::query(sql).execute(&env.admin).await.unwrap();
-    }
+    ])
+    .await
+    else {
+        return;
+    };
     // No memory tier: every read after the change goes to Redis.
     let mut args = REPLICATION_LONG_LIVED.to_vec();
     args.extend(["--l1-max-bytes", "0"]);
     let app = env.spawn(&args).await;
-    wait_until("the feed up", A_WHILE, async || {
-        app.get("/readyz").await.json()["change_feed"] == "up"
-    })
-    .await;
+    until_feed(&app.http, "up").await;
     let old = app.http.title(3).await.expect("post 3");
 
     let mut writer = PgConnection::connect(&env.db_url).await.unwrap();

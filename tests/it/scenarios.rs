@@ -5,6 +5,8 @@ use std::time::Duration;
 use futures::future::join_all;
 use postcache::testkit::{answered, fire, wait_until, TableLock, TestEnv, PATIENT};
 
+use crate::support::{replies, served_as};
+
 /// 1,000 concurrent requests for one cold post over 3 instances: one
 /// database read (counted by PostgreSQL), 1 miss and 999 coalesced, identical
 /// bodies, no lock and no subscriber left behind.
@@ -17,11 +19,7 @@ pub async fn a_thousand_misses_make_one_query(env: &TestEnv) {
     let requests = fire(&apps, "/posts/7", 1000);
     env.until_held(&apps, 1000).await;
     lock.release().await;
-    let replies: Vec<_> = join_all(requests)
-        .await
-        .into_iter()
-        .map(|r| r.unwrap().0)
-        .collect();
+    let replies = replies(requests).await;
     for app in apps {
         app.stop().await;
     }
@@ -31,12 +29,7 @@ pub async fn a_thousand_misses_make_one_query(env: &TestEnv) {
         replies.iter().all(|r| r.body == replies[0].body),
         "bodies differ"
     );
-    let count = |tag: &str| {
-        replies
-            .iter()
-            .filter(|r| r.x_cache.as_deref() == Some(tag))
-            .count()
-    };
+    let count = |tag: &str| served_as(&replies, tag);
     let mut tags: Vec<_> = replies.iter().map(|r| r.x_cache.clone()).collect();
     tags.sort();
     tags.dedup();
@@ -109,9 +102,5 @@ pub async fn waiters_survive_a_killed_pubsub_connection(env: &TestEnv, kill_pubs
         slowest < Duration::from_secs(1),
         "the last waiter answered {slowest:?} after the release"
     );
-    let misses = replies
-        .iter()
-        .filter(|(r, _)| r.x_cache.as_deref() == Some("miss"))
-        .count();
-    assert_eq!(misses, 1);
+    assert_eq!(served_as(replies.iter().map(|(r, _)| r), "miss"), 1);
 }

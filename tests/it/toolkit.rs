@@ -14,6 +14,8 @@ use postcache::{
     testkit::{fire, wait_until, TableLock, TestEnv, A_WHILE},
 };
 
+use crate::support::fresh_for;
+
 async fn inspect(env: &TestEnv, id: i64) -> Inspection {
     inspect::run(&env.inspect_args(&[&id.to_string()]))
         .await
@@ -130,16 +132,10 @@ async fn a_kept_copy_is_reloaded_under_the_lock_key_and_stays_meanwhile() {
 async fn inspect_shows_a_backoff_copy_and_a_failure_marker_while_loads_fail() {
     let env = TestEnv::new(10).await;
     let app = env
-        .spawn(&[
-            "--cache-ttl",
+        .spawn(&fresh_for(
             "300ms",
-            "--ttl-jitter",
-            "0",
-            "--failure-ttl",
-            "5s",
-            "--l1-max-bytes",
-            "0",
-        ])
+            &["--failure-ttl", "5s", "--l1-max-bytes", "0"],
+        ))
         .await;
     assert_eq!(app.get("/posts/5").await.status, 200);
     tokio::time::sleep(Duration::from_millis(400)).await;

@@ -11,6 +11,7 @@ import urllib.request
 
 from .. import kit
 from ..db import CAPACITY_DB, post_reads, prepare_database
+from ..flags import add_connections, add_seconds
 from ..procs import spawn, stop, stop_all
 from ..report import write_results
 from ..runners import build, example, find_wrk, wrk_cmd, wrk_rps, wrk_run
@@ -19,8 +20,8 @@ from ..servers import start_baseline, start_instances
 
 def add_parser(sub, common):
     s = sub.add_parser("capacity", parents=[common], help="hit-path ceiling and 1..N instances under wrk")
-    s.add_argument("--seconds", type=int, default=10, help="seconds per wrk run (default 10)")
-    s.add_argument("--connections", type=int, default=64, help="wrk connections in all (default 64)")
+    add_seconds(s, 10)
+    add_connections(s, what="wrk connections in all")
     s.add_argument("--instances", type=int, default=4, help="scale out from 1 to this many (default 4)")
     s.set_defaults(run=run)
 

@@ -13,6 +13,7 @@ import time
 from .. import kit
 from ..cpu import children_cpu, cpu_seconds, pinning
 from ..db import COLD_DB, drop_prefix, ensure_seeded, psql, redis_commandstats, transactions
+from ..flags import add_connections, add_out, add_rounds, add_seconds
 from ..procs import stop
 from ..report import spread, write_results
 from ..runners import build, find_wrk, rotated, wrk_cmd, wrk_latency, wrk_run, wrk_total
@@ -32,11 +33,11 @@ def add_parser(sub, common):
                    help="8 or more cores: PostgreSQL, Redis, the instance and wrk on disjoint cores (taskset)")
     s.add_argument("--uniform", action="store_true", help="ids drawn uniformly at random, not a permutation")
     s.add_argument("--batching-off", action="store_true", help="also the default with load batching off")
-    s.add_argument("--out", help="the results file's name (default cold-storm.md)")
-    s.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
-    s.add_argument("--seconds", type=int, default=8, help="seconds per storm (default 8)")
+    add_out(s, "cold-storm.md")
+    add_rounds(s, 3)
+    add_seconds(s, 8, what="seconds per storm")
     s.add_argument("--latency-seconds", type=int, default=3, help="seconds one request at a time (default 3)")
-    s.add_argument("--connections", type=int, default=64, help="wrk connections (default 64)")
+    add_connections(s)
     s.add_argument("--posts", type=int, default=1_000_000, help="posts seeded (default 1,000,000)")
     s.add_argument("--range", type=int, default=0, help="ids asked, from 1 (default: every post)")
     s.set_defaults(run=run)

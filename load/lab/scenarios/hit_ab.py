@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .. import kit
 from ..cpu import tree_cpu
 from ..db import CAPACITY_DB, prepare_database
+from ..flags import add_connections, add_out, add_rounds, add_seconds
 from ..procs import stop_all
 from ..report import spread, write_results
 from ..runners import build, find_wrk, wrk_run
@@ -24,13 +25,13 @@ def add_parser(sub, common):
                                    "another postcache binary (--old), both running at once, wrk alternating "
                                    "between them. Writes load/results/<date>/hit-ab.md.")
     s.add_argument("--old", required=True, help="the binary to compare against")
-    s.add_argument("--rounds", type=int, default=6, help="rounds per tier (default 6)")
-    s.add_argument("--seconds", type=int, default=5, help="seconds per wrk run (default 5)")
-    s.add_argument("--connections", type=int, default=64, help="wrk connections (default 64)")
+    add_rounds(s, 6, what="rounds per tier")
+    add_seconds(s, 5)
+    add_connections(s)
     s.add_argument("--together", action="store_true",
                    help="load both at once (a wrk of one thread each) instead of in turn: both then share "
                         "every moment of the machine's noise, which the CPU per request's ratio cancels")
-    s.add_argument("--out", help="the results file's name (default hit-ab.md)")
+    add_out(s, "hit-ab.md")
     s.set_defaults(run=run)
 
 

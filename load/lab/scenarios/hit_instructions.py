@@ -12,6 +12,7 @@ import urllib.request
 
 from .. import kit
 from ..db import CAPACITY_DB, prepare_database
+from ..flags import add_connections, add_post, add_seconds
 from ..procs import free_port, stop, temp_dir
 from ..report import write_results
 from ..runners import build_with_example, find_or_install, find_wrk, wrk_run
@@ -27,9 +28,9 @@ def add_parser(sub, common):
                                    "Installs valgrind with apt-get when missing. Writes "
                                    "load/results/<date>/hit-instructions.md.")
     s.add_argument("--old", help="another postcache binary, measured beside this build")
-    s.add_argument("--seconds", type=int, default=10, help="seconds of wrk per server (default 10)")
-    s.add_argument("--connections", type=int, default=4, help="wrk connections (default 4)")
-    s.add_argument("--post", type=int, default=1, help="the post read (default 1)")
+    add_seconds(s, 10, what="seconds of wrk per server")
+    add_connections(s, 4)
+    add_post(s)
     s.set_defaults(run=run)
 
 

@@ -13,19 +13,15 @@ import urllib.request
 from .. import kit
 from ..cpu import children_cpu, pinning, tree_cpu
 from ..db import CAPACITY_DB, prepare_database
+from ..flags import add_connections, add_out, add_post, add_rounds, add_seconds
 from ..procs import free_port, temp_dir
 from ..report import write_results
 from ..runners import build_with_example, find_or_install, find_wrk, rotated, wrk_run
 from ..servers import serve, start_instances, start_nginx
 
+# nginx answering the post's body, constant, to every request: the rest of
+# the http block after servers.NGINX_MAIN.
 NGINX_CONST = """\
-{user}worker_processes {workers};
-pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-daemon off;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
     server {{
         listen 127.0.0.1:{port} backlog=4096;
         location / {{
@@ -38,7 +34,6 @@ http {{
             return 200 '{body}';
         }}
     }}
-}}
 """
 
 
@@ -49,13 +44,13 @@ def add_parser(sub, common):
                                    "wrk visiting each in turn round by round; requests/s and the server's CPU per "
                                    "request. Installs nginx-light with apt-get when missing. Writes "
                                    "load/results/<date>/hits.md (or --out).")
-    s.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
-    s.add_argument("--seconds", type=int, default=5, help="seconds per wrk run (default 5)")
-    s.add_argument("--connections", type=int, default=64, help="wrk connections (default 64)")
-    s.add_argument("--post", type=int, default=1, help="the post read (default 1)")
+    add_rounds(s, 5)
+    add_seconds(s, 5)
+    add_connections(s)
+    add_post(s)
     s.add_argument("--pin", action="store_true",
                    help="8 or more cores: the servers, Redis, PostgreSQL and wrk on disjoint cores (taskset)")
-    s.add_argument("--out", help="the results file's name (default hits.md)")
+    add_out(s, "hits.md")
     s.set_defaults(run=run)
 
 

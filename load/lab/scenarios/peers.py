@@ -14,19 +14,15 @@ import urllib.request
 
 from .. import kit
 from ..db import PEERS_DB, post_reads, prepare_database, psql, redis_commands
+from ..flags import add_connections, add_rounds, add_seconds
 from ..procs import free_port, stop_all, temp_dir
 from ..report import bar_chart, quantile, write_results
 from ..runners import build, example, find_or_install, find_wrk, wrk_run
 from ..servers import serve, start_baseline, start_instances, start_nginx
 
+# nginx caching a backend's answers, one load at a time per key: the rest
+# of the http block after servers.NGINX_MAIN.
 NGINX_CONF = """\
-{user}worker_processes {workers};
-pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-daemon off;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
     proxy_cache_path {dir}/cache levels=1:2 keys_zone=posts:16m max_size=256m inactive=10m use_temp_path=off;
     upstream backend {{ server 127.0.0.1:{backend}; keepalive 64; }}
     server {{
@@ -43,7 +39,6 @@ http {{
             proxy_read_timeout 30s;
         }}
     }}
-}}
 """
 
 
@@ -56,10 +51,10 @@ def add_parser(sub, common):
                                    "handlers for reference), and Redis commands per request under a Zipf load. "
                                    "nginx-light, varnish and wrk are installed with apt-get when missing. Writes "
                                    "load/results/<date>/peers.md and peers.svg.")
-    s.add_argument("--rounds", type=int, default=3, help="rounds of each stampede and hit-path run (default 3)")
+    add_rounds(s, 3, what="rounds of each stampede and hit-path run")
     s.add_argument("--requests", type=int, default=300, help="stampede: requests released together (default 300)")
-    s.add_argument("--seconds", type=int, default=8, help="seconds per wrk run (default 8)")
-    s.add_argument("--connections", type=int, default=64, help="wrk connections (default 64)")
+    add_seconds(s, 8)
+    add_connections(s)
     s.add_argument("--zipf-warmup", type=int, default=30, help="seconds of Zipf load before the measured run (default 30)")
     s.set_defaults(run=run)
 

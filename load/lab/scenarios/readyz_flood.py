@@ -7,6 +7,7 @@ import time
 
 from .. import kit
 from ..db import CAPACITY_DB, prepare_database
+from ..flags import add_connections, add_rounds, add_seconds
 from ..procs import spawn, stop_all
 from ..report import spread, write_results
 from ..runners import build, find_wrk, wrk_cmd, wrk_rps, wrk_run
@@ -19,9 +20,9 @@ def add_parser(sub, common):
                                    "of /healthz (each run a fresh KEY_PREFIX); with --old, another binary too. "
                                    "Writes load/results/<date>/readyz-flood.md.")
     s.add_argument("--old", help="another binary to run the same rounds with")
-    s.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
-    s.add_argument("--seconds", type=int, default=5, help="seconds per run (default 5)")
-    s.add_argument("--connections", type=int, default=64, help="flood connections (default 64)")
+    add_rounds(s, 4)
+    add_seconds(s, 5, what="seconds per run")
+    add_connections(s, what="flood connections")
     s.add_argument("--db-connections", type=int, default=4, help="DB_MAX_CONNECTIONS (default 4)")
     s.set_defaults(run=run)
 
