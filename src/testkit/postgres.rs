@@ -204,19 +204,28 @@ impl PgServer {
     /// Stops it at once (`-m immediate`: as a crash).
     pub fn stop(&mut self) {
         if self.running {
-            run(
-                "pg_ctl",
-                &[
-                    "-D",
-                    self.data().to_str().unwrap(),
-                    "-m",
-                    "immediate",
-                    "-w",
-                    "stop",
-                ],
+            let out = self.stop_at_once().expect("pg_ctl");
+            assert!(
+                out.status.success(),
+                "pg_ctl stop failed: {}",
+                String::from_utf8_lossy(&out.stderr)
             );
             self.running = false;
         }
+    }
+
+    /// `pg_ctl stop -m immediate`, waited for.
+    fn stop_at_once(&self) -> std::io::Result<std::process::Output> {
+        command("pg_ctl")
+            .args([
+                "-D",
+                self.data().to_str().unwrap(),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            ])
+            .output()
     }
 
     /// Promotes a standby to primary and waits until it is one.
@@ -280,16 +289,7 @@ impl PgServer {
 impl Drop for PgServer {
     fn drop(&mut self) {
         if self.running {
-            let _ = command("pg_ctl")
-                .args([
-                    "-D",
-                    self.data().to_str().unwrap(),
-                    "-m",
-                    "immediate",
-                    "-w",
-                    "stop",
-                ])
-                .output();
+            let _ = self.stop_at_once();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }

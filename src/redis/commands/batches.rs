@@ -186,16 +186,24 @@ mod tests {
     use super::*;
     use crate::{
         cache::{ItemKeys, Keys},
-        redis::coalesce::{queued_reply, Turn},
+        redis::{
+            coalesce::{queued_reply, Turn},
+            scripts::contract::redis,
+        },
     };
+
+    /// The answer of a command queued behind a turn the test holds.
+    fn queued<Q: Batched, T>(turn: Turn<'_, Q, T>) -> T {
+        match turn {
+            Turn::Queued(answer) => answer,
+            Turn::Lead(_) => panic!("the turn is held"),
+        }
+    }
 
     #[tokio::test]
     async fn a_claim_whose_caller_went_away_before_it_was_sent_takes_no_lock() {
-        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let client = Client::new(Config::from_url(&url).unwrap(), None, None, None);
-        client.init().await.expect("the tests' Redis is up");
+        let (client, prefix) = redis().await;
         let commands = RedisCommands::new(client.clone(), Duration::from_secs(1));
-        let prefix = format!("postcache:queued:{:016x}:", rand::random::<u64>());
         let names = Keys::new(prefix, "post");
         let (gone, kept) = (names.item(1), names.item(2));
         let node = commands.node_of(&gone.lock);
@@ -204,7 +212,7 @@ mod tests {
             panic!("the turn was free");
         };
         let queue = |keys: &ItemKeys, token: &str| {
-            let queued = node.claims.turn(&commands, &node, || {
+            queued(node.claims.turn(&commands, &node, || {
                 let (reply, answer) = oneshot::channel();
                 let claim = QueuedClaim {
                     keys: ClaimKeys::of(keys),
@@ -213,11 +221,7 @@ mod tests {
                     reply,
                 };
                 (claim, answer)
-            });
-            match queued {
-                Turn::Queued(answer) => answer,
-                Turn::Lead(_) => panic!("the turn is held"),
-            }
+            }))
         };
         let gone_answer = queue(&gone, "a");
         let kept_answer = queue(&kept, "b");
@@ -237,11 +241,8 @@ mod tests {
     async fn queued_value_claims_go_in_one_pipeline_and_one_whose_caller_left_takes_nothing() {
         // Which claims' `on_won` ran, in order.
         let ran = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let client = Client::new(Config::from_url(&url).unwrap(), None, None, None);
-        client.init().await.expect("the tests' Redis is up");
+        let (client, prefix) = redis().await;
         let commands = RedisCommands::new(client.clone(), Duration::from_secs(1));
-        let prefix = format!("postcache:queued:{:016x}:", rand::random::<u64>());
         let names = Keys::new(prefix, "post");
         let (gone, kept, held, stored) =
             (names.item(1), names.item(2), names.item(3), names.item(4));
@@ -261,7 +262,7 @@ mod tests {
             panic!("the turn was free");
         };
         let queue = |keys: &ItemKeys, claim: &str| {
-            let queued = node.value_claims.turn(&commands, &node, || {
+            queued(node.value_claims.turn(&commands, &node, || {
                 let (reply, answer) = oneshot::channel();
                 let (ran, name) = (ran.clone(), claim.to_owned());
                 let claim = QueuedValueClaim {
@@ -273,11 +274,7 @@ mod tests {
                     reply,
                 };
                 (claim, answer)
-            });
-            match queued {
-                Turn::Queued(answer) => answer,
-                Turn::Lead(_) => panic!("the turn is held"),
-            }
+            }))
         };
         let gone_answer = queue(&gone, "\0claim:a");
         let kept_answer = queue(&kept, "\0claim:b");

@@ -30,9 +30,10 @@ pub use lua::{ms, Call, ScriptName};
 pub use registry::Scripts;
 
 /// Runs calls on the shared Redis for the contract tests: each script's
-/// file checks every reply its script can give against a real server.
+/// file checks every reply its script can give against a real server. The
+/// batching tests of `commands` take their Redis from here too.
 #[cfg(test)]
-mod contract {
+pub(super) mod contract {
     use std::collections::BTreeSet;
 
     use fred::prelude::*;
