@@ -33,9 +33,30 @@ pub const ALL: [Served; 9] = [
     Served::KnownMissing,
 ];
 
-/// The `X-Cache` header value.
-pub fn header(served: Served) -> &'static str {
-    match served {
+/// A header's value for each way of serving, written once: as a string
+/// (`$text`, for logs, metrics and tests) and as a header value checked
+/// when compiled (`$value`, for answers).
+macro_rules! per_served {
+    ($(#[$doc:meta])* $text:ident, $value:ident { $($served:pat => $string:literal,)* }) => {
+        $(#[$doc])*
+        pub fn $text(served: Served) -> &'static str {
+            match served {
+                $($served => $string,)*
+            }
+        }
+
+        #[doc = concat!("[`", stringify!($text), "`] as a header value.")]
+        pub fn $value(served: Served) -> HeaderValue {
+            match served {
+                $($served => value!($string),)*
+            }
+        }
+    };
+}
+
+per_served! {
+    /// The `X-Cache` header value.
+    header, header_value {
         Served::Memory | Served::Hit | Served::KnownMissing => "hit",
         Served::Stale => "stale",
         Served::Miss => "miss",
@@ -44,17 +65,18 @@ pub fn header(served: Served) -> &'static str {
     }
 }
 
-/// The `Cache-Status` header (RFC 9211): how the answer was served, in the
-/// standard's words. `hit` is an answer given without a load (`detail`
-/// says where from: the memory tier, Redis, a stale copy, or the existence
-/// guard, which knows the post cannot exist and caches nothing); `fwd=miss`
-/// is an answer loaded from PostgreSQL, `collapsed` when not by this
-/// request's own load: `detail=local`, it joined a flight of this process
-/// (whichever instance loaded for that flight); `detail=fleet`, its own
-/// flight was answered by another instance's load. `fwd=bypass` is a load
-/// that skipped the cache. Static strings: a hit pays no formatting for it.
-pub fn cache_status(served: Served) -> &'static str {
-    match served {
+per_served! {
+    /// The `Cache-Status` header (RFC 9211): how the answer was served, in
+    /// the standard's words. `hit` is an answer given without a load
+    /// (`detail` says where from: the memory tier, Redis, a stale copy, or
+    /// the existence guard, which knows the post cannot exist and caches
+    /// nothing); `fwd=miss` is an answer loaded from PostgreSQL,
+    /// `collapsed` when not by this request's own load: `detail=local`, it
+    /// joined a flight of this process (whichever instance loaded for that
+    /// flight); `detail=fleet`, its own flight was answered by another
+    /// instance's load. `fwd=bypass` is a load that skipped the cache.
+    /// Static strings: a hit pays no formatting for it.
+    cache_status, cache_status_value {
         Served::Memory => "postcache; hit; detail=memory",
         Served::Hit => "postcache; hit; detail=redis",
         Served::Stale => "postcache; hit; detail=stale",
@@ -64,32 +86,6 @@ pub fn cache_status(served: Served) -> &'static str {
         Served::CoalescedRemote => "postcache; fwd=miss; collapsed; detail=fleet",
         Served::Bypass => "postcache; fwd=bypass",
         Served::TooLarge => "postcache; fwd=bypass; detail=too-large",
-    }
-}
-
-/// [`header`] as a header value.
-pub fn header_value(served: Served) -> HeaderValue {
-    match served {
-        Served::Memory | Served::Hit | Served::KnownMissing => value!("hit"),
-        Served::Stale => value!("stale"),
-        Served::Miss => value!("miss"),
-        Served::CoalescedLocal | Served::CoalescedRemote => value!("coalesced"),
-        Served::Bypass | Served::TooLarge => value!("bypass"),
-    }
-}
-
-/// [`cache_status`] as a header value.
-pub fn cache_status_value(served: Served) -> HeaderValue {
-    match served {
-        Served::Memory => value!("postcache; hit; detail=memory"),
-        Served::Hit => value!("postcache; hit; detail=redis"),
-        Served::Stale => value!("postcache; hit; detail=stale"),
-        Served::KnownMissing => value!("postcache; hit; detail=existence-guard"),
-        Served::Miss => value!("postcache; fwd=miss"),
-        Served::CoalescedLocal => value!("postcache; fwd=miss; collapsed; detail=local"),
-        Served::CoalescedRemote => value!("postcache; fwd=miss; collapsed; detail=fleet"),
-        Served::Bypass => value!("postcache; fwd=bypass"),
-        Served::TooLarge => value!("postcache; fwd=bypass; detail=too-large"),
     }
 }
 
