@@ -38,6 +38,12 @@ end
 -- item existed, or a negative entry, which is as good).
 local function is_copy(s) return status(s) == $FOUND or status(s) == $NOT_FOUND end
 
+-- Stores `value` at `key` for `ms`; true, for the caller's `wrote`.
+local function store(key, value, ms)
+  redis.call('SET', key, value, 'PX', ms)
+  return true
+end
+
 local function finish_one(K, A)
   local entry = A.entry
   -- The lock is the value key itself when the leader claimed it absent (a
@@ -47,10 +53,6 @@ local function finish_one(K, A)
   local ours = holder == A.token
   local released = 0
   local wrote = false
-  local function store(value, ms)
-    redis.call('SET', K.value, value, 'PX', ms)
-    wrote = true
-  end
   if in_value and not ours then
     -- The claim is gone: a change deleted it (what this leader read may be
     -- older than the change), or it expired. Nothing is stored. An entry
@@ -107,10 +109,10 @@ local function finish_one(K, A)
         payload = backoff(copy, now + (failure_ms > 0 and failure_ms or 1000))
         if failure_ms > 0 then
           -- As long as the copy had left, and at least the backoff.
-          store(payload, math.max(redis.call('PTTL', K.value), failure_ms))
+          wrote = store(K.value, payload, math.max(redis.call('PTTL', K.value), failure_ms))
         end
       elseif failure_ms > 0 then
-        store(payload, failure_ms)
+        wrote = store(K.value, payload, failure_ms)
       end
     end
   else
@@ -121,7 +123,7 @@ local function finish_one(K, A)
       ms = tonumber(A.tombstone_ms)
     end
     if ms > 0 then
-      store(entry, ms)
+      wrote = store(K.value, entry, ms)
     end
   end
   if publish then
