@@ -3,9 +3,12 @@
 //!
 //! Each id is recorded in the outbox (`post_changes`, op `invalidate`),
 //! which gives it a change id and tells every instance whose change feed is
-//! on, then applied to Redis here at once, with that id: fenced, deleted or
-//! marked stale, whether or not an instance runs or follows the feed (the
-//! instances' own applications of the same change are skipped). `--all`
+//! on, then applied to Redis here at once, with that id: deleted or marked
+//! stale, whether or not an instance runs or follows the feed (the
+//! instances' own applications of the same change are skipped), and fenced
+//! at the primary's WAL position read after the change was recorded, which
+//! a load from a read replica must include (never below a later fence).
+//! `--all`
 //! raises the fleet's cutoff in Redis to now (every entry read before it is
 //! stale; no key is scanned), which every instance reads within a second,
 //! and records `invalidate_all` in the outbox so that instances with the
@@ -64,10 +67,20 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
     let mut done = Vec::with_capacity(recorded.len());
     for (change, post) in recorded {
         let post = post.expect("recorded for an id");
-        let applied =
-            apply::apply_change(&redis, &keys, &settings, post, change, ChangeKind::Changed)
-                .await
-                .with_context(|| format!("failed to invalidate post {post} in Redis"))?;
+        // Fenced at the WAL position read after the change was recorded,
+        // as the decoder fences (a load must include it), where known: an
+        // outbox id as the fence would let a load read any replica.
+        let fence_at = (lsn > 0).then_some(lsn);
+        let applied = apply::apply_change(
+            &redis,
+            &keys,
+            &settings,
+            post,
+            (change, fence_at),
+            ChangeKind::Changed,
+        )
+        .await
+        .with_context(|| format!("failed to invalidate post {post} in Redis"))?;
         done.push((post, change, applied));
     }
     let ids = done.iter().map(|(post, _, _)| *post).collect();

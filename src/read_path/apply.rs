@@ -29,18 +29,31 @@ use crate::{
 
 /// Applies change `change` to the keys of item `id` (the read path's
 /// [`ReadPath::invalidate`](super::ReadPath::invalidate), and `postcache
-/// invalidate`); false when it was
-/// applied already.
+/// invalidate`, which fences at a WAL position: `fence_at`); false when it
+/// was applied already.
 pub async fn apply_change(
     redis: &RedisCommands,
     keys: &Keys,
     settings: &Settings,
     id: impl Display,
-    change: i64,
+    (change, fence_at): (i64, Option<u64>),
     kind: ChangeKind,
 ) -> Result<bool, RedisError> {
     let changes = [(id, change, kind)];
-    Ok(apply(redis, keys, settings, &changes, false).await? == 1)
+    let fence = Fence {
+        always: false,
+        at: fence_at.unwrap_or(0),
+    };
+    Ok(apply(redis, keys, settings, &changes, fence).await? == 1)
+}
+
+/// How `apply` fences (see `apply.lua`).
+#[derive(Clone, Copy)]
+struct Fence {
+    /// Every key, whether or not anything is cached.
+    always: bool,
+    /// With this WAL position (0: each change's id).
+    at: u64,
 }
 
 /// The tombstone a delete leaves, and the lifetimes a change writes with.
@@ -56,6 +69,7 @@ fn apply_with(s: &Settings) -> (Entry, ApplyFor) {
         },
         grace: s.stale_while_revalidate,
         always_fence: false,
+        fence_at: 0,
     };
     (tombstone, lifetimes)
 }
@@ -83,17 +97,20 @@ pub(super) async fn fenced<K: Display>(
     settings: &Settings,
     changes: &[(K, i64, ChangeKind)],
 ) -> Result<u64, RedisError> {
-    apply(redis, keys, settings, changes, true).await
+    let fence = Fence {
+        always: true,
+        at: 0,
+    };
+    apply(redis, keys, settings, changes, fence).await
 }
 
-/// Applies `changes` in one script call; `always_fence`: fence each key
-/// even where nothing is cached.
+/// Applies `changes` in one script call, fenced as `fence` says.
 async fn apply<K: Display>(
     redis: &RedisCommands,
     keys: &Keys,
     settings: &Settings,
     changes: &[(K, i64, ChangeKind)],
-    always_fence: bool,
+    fence: Fence,
 ) -> Result<u64, RedisError> {
     let (tombstone, lifetimes) = apply_with(settings);
     let names: Vec<_> = changes.iter().map(|(key, ..)| keys.item(key)).collect();
@@ -106,7 +123,8 @@ async fn apply<K: Display>(
         items: &items,
         tombstone: &tombstone,
         lifetimes: ApplyFor {
-            always_fence,
+            always_fence: fence.always,
+            fence_at: fence.at,
             ..lifetimes
         },
     };

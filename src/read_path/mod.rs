@@ -393,7 +393,7 @@ impl<S: Source> ReadPath<S> {
             &self.ctx.keys,
             &self.ctx.settings,
             key,
-            change,
+            (change, None),
             kind,
         )
         .await;

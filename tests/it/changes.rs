@@ -398,6 +398,48 @@ async fn invalidate_by_id_or_all_applies_what_a_change_would() {
     until_everywhere(&apps, 5, "behind the feed's back").await;
 }
 
+/// `postcache invalidate` fences with a position of the primary's WAL, read
+/// after its change is recorded, and never below a later fence: in the
+/// replication mode a fence is the position a load must include, and an
+/// outbox id there (a small number) would let a load read any replica,
+/// however far behind the post's last change, and store its old row.
+#[tokio::test]
+async fn invalidate_fences_with_a_wal_position_and_never_lowers_a_later_one() {
+    let env = TestEnv::new(5).await;
+    let post = env.keys.item(3);
+    let wal = async || -> u64 {
+        let at: i64 = sqlx::query_scalar("select (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+            .fetch_one(&env.admin)
+            .await
+            .unwrap();
+        at as u64
+    };
+    let fence = async || -> u64 {
+        let fence: Option<String> = fred::prelude::KeysInterface::get(&env.redis, &post.fence)
+            .await
+            .unwrap();
+        fence.expect("fenced").parse().expect("a position")
+    };
+    // Something cached, for the invalidation to fence.
+    env.set(&post.value, "cached", Duration::from_secs(60))
+        .await;
+
+    // A fence older than now: moved up to where the WAL is.
+    env.set(&post.fence, "1", Duration::from_secs(60)).await;
+    let before = wal().await;
+    invalidate::run(&env.invalidate_args(&["3"])).await.unwrap();
+    assert!(fence().await >= before, "{} < {before}", fence().await);
+
+    // A fence past it (a change the decoder applied meanwhile): kept.
+    env.set(&post.value, "cached", Duration::from_secs(60))
+        .await;
+    let later = wal().await + (1 << 40);
+    env.set(&post.fence, later.to_string(), Duration::from_secs(60))
+        .await;
+    invalidate::run(&env.invalidate_args(&["3"])).await.unwrap();
+    assert_eq!(fence().await, later);
+}
+
 /// Redis paused while a row changes: the feed cannot apply it and keeps it
 /// in the outbox; once Redis answers, the change is applied, and the entry
 /// cached before the pause is not served again.

@@ -28,9 +28,10 @@ local function apply_one(K, A)
   local value = redis.call('GET', K.value)
   -- Something to fence (a stored value, or a leader at work, which may have
   -- read the row before the change): the fence becomes this change, a value
-  -- no earlier fence had, and the change is remembered as applied. The
-  -- replication feed fences every change (its LSN): a later load from a
-  -- read replica must have replayed it.
+  -- no earlier fence had (unless a later position is held, below), and the
+  -- change is remembered as applied. The replication feed fences every
+  -- change (its LSN): a later load from a read replica must have replayed
+  -- it.
   local fence = A.always_fence == '1' or value or redis.call('EXISTS', K.lock) == 1
   local copy = value and valid(value) and (status(value) == $FOUND or status(value) == $NOT_FOUND)
   if A.kind == 'delete' then
@@ -63,16 +64,20 @@ local function apply_one(K, A)
   end
   -- Last, so that a script stopped part-way is applied again in full.
   if fence then
-    -- The replication feed's fences are commit LSNs and never fall: a
-    -- change applied after a later one (the posts read from a replica
-    -- behind a change to every post, fenced with that change; a batch sent
-    -- again) leaves the later fence, whose loads include this change, and
-    -- a load claimed now must not read a replica behind it. (LSNs compare
-    -- exactly as Lua numbers below 2^53 bytes of WAL.) The trigger feed's
-    -- ids are handed out before commit, so its fence is simply replaced.
-    local held = A.always_fence == '1' and tonumber(redis.call('GET', K.fence))
-    if not (held and held > tonumber(A.change)) then
-      redis.call('SET', K.fence, A.change, 'PX', A.fence_ms)
+    -- A fence that is a WAL position never falls: the replication feed's
+    -- (commit LSNs) and `postcache invalidate`'s (where the WAL was after
+    -- it recorded its change). A change applied after a later one (the
+    -- posts read from a replica behind a change to every post, fenced with
+    -- that change; a batch sent again) leaves the later fence, whose loads
+    -- include this change, and a load claimed now must not read a replica
+    -- behind it. (Positions compare exactly as Lua numbers below 2^53
+    -- bytes of WAL.) The trigger feed's ids are handed out before commit,
+    -- so its fence is simply replaced.
+    local at = A.fence_at ~= '0' and A.fence_at or A.change
+    local rising = A.always_fence == '1' or A.fence_at ~= '0'
+    local held = rising and tonumber(redis.call('GET', K.fence))
+    if not (held and held > tonumber(at)) then
+      redis.call('SET', K.fence, at, 'PX', A.fence_ms)
     end
     redis.call('SADD', K.applied, A.change)
     redis.call('PEXPIRE', K.applied, A.fence_ms)

@@ -5,9 +5,10 @@
 //! skipped, applied by this instance or another, in whatever order the
 //! changes arrive. Sets the fence to the change, a value no fence had
 //! before, and records the change as applied (both for the fence's
-//! lifetime, while there is a value or a leader to fence); the
-//! replication feed's fences, commit LSNs, never fall (a change applied
-//! after a later one leaves the later fence). The value is
+//! lifetime, while there is a value or a leader to fence). A fence that is
+//! a WAL position (the replication feed's, and `postcache invalidate`'s)
+//! never falls: a change applied after a later one leaves the later fence.
+//! The value is
 //! changed in place, its body kept as the fail-safe copy (see
 //! `cache/entry.rs`): a delete puts the item's tombstone (a not-found
 //! entry, invalidated) in place of a copy; any other change marks a found
@@ -55,6 +56,9 @@ layout! {
         /// 1: fence every change, with nothing to fence too (the change's
         /// LSN, for loads from read replicas); 0: only where there is.
         always_fence,
+        /// The fence every item is given, a WAL position (`postcache
+        /// invalidate`); 0: each item its own change.
+        fence_at,
     }
 }
 
@@ -124,6 +128,10 @@ pub struct ApplyFor {
     /// feed's changes are commit LSNs, which a load from a read replica
     /// must find replayed for the fence's lifetime.
     pub always_fence: bool,
+    /// Fence with this WAL position rather than each change's id (0: the
+    /// change's id): `postcache invalidate`, whose changes are outbox ids,
+    /// fences with a position a load must include, as the decoder does.
+    pub fence_at: u64,
 }
 
 /// Changes to apply, each to its item's keys; how many were applied.
@@ -168,6 +176,7 @@ impl Call for ApplyMany<'_> {
             grace_ms: Value::Integer(ms(l.grace)),
             now: Value::Bytes(Bytes::copy_from_slice(&now_millis().to_be_bytes())),
             always_fence: Value::Integer(i64::from(l.always_fence)),
+            fence_at: Value::Integer(i64::try_from(l.fence_at).unwrap_or(i64::MAX)),
         }
         .into_vec();
         args.reserve(self.items.len() * Item::<()>::NAMES.len());
@@ -210,6 +219,7 @@ mod contract {
             tombstone_copy: MINUTE,
             grace,
             always_fence: false,
+            fence_at: 0,
         }
     }
 
