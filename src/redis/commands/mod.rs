@@ -36,7 +36,7 @@ pub use replies::{Before, FirstLook, LockTtl, OnWon, ValueClaim};
 
 /// Whether a command heeds its node's circuit breaker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum BreakerRule {
+pub(super) enum BreakerRule {
     /// The read path's commands: refused while the breaker is open, and
     /// their failures count toward opening it.
     Heeded,
@@ -120,7 +120,7 @@ impl RedisCommands {
     /// Runs `command` on the client of `key`'s node, under REDIS_TIMEOUT
     /// and, as `breaker` says, that node's breaker (see
     /// [`RedisCommands::redirected`] for a node that answers MOVED).
-    pub(crate) async fn on_node<T, Fut>(
+    pub(super) async fn on_node<T, Fut>(
         &self,
         key: &str,
         breaker: BreakerRule,
