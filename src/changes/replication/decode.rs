@@ -210,9 +210,10 @@ impl Candidate {
     /// commit. A change applied in it would let a load that claims the post
     /// afterwards (it must include the change, so it reads the primary)
     /// read the row as it was and store it, with nothing left to
-    /// invalidate it. So the decoder applies nothing of a batch until the
-    /// server's snapshot no longer lists any of its transactions as
-    /// running: one query per batch, almost always answered at once. While
+    /// invalidate it. So the decoder applies nothing of a batch until a
+    /// snapshot of the server shows each of its transactions (completed
+    /// before its xmax and not among its running, see [`Snapshot::shows`]):
+    /// one query per batch, almost always answered at once. While
     /// it waits no beat goes out: past BEAT_STALE the instances serve as
     /// with the feed down.
     async fn until_visible(&self, xids: &[u32]) -> anyhow::Result<()> {
