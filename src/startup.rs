@@ -123,8 +123,12 @@ impl Application {
         }
         let pool = store::connect(&args.database).await?;
         let replicas = connect_replicas(&args)?;
-        let (redis, subscriber, nodes) =
-            crate::redis::connect(&args.cache.redis_url, args.cache.redis_timeout).await?;
+        let (redis, subscriber, nodes) = crate::redis::connect(
+            &args.cache.redis_url,
+            args.cache.redis_timeout,
+            args.cache.redis_tcp(),
+        )
+        .await?;
         let c = &args.cache;
         let nodes = Arc::new(nodes);
         let commands = RedisCommands::with_nodes(nodes.clone(), c.redis_timeout);
@@ -146,7 +150,10 @@ impl Application {
         let feed = Feed::start(
             args.change_feed,
             &args.database,
-            args.change_retention,
+            crate::changes::FeedTimeouts {
+                retention: args.change_retention,
+                replication: args.replication_timeout,
+            },
             &c.key_prefix,
             read_path.clone(),
         )

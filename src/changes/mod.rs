@@ -74,6 +74,16 @@ const SLOT_LAG_EVERY: Duration = Duration::from_secs(5);
 /// between restarts of a feed task that ended.
 const RETRY: Duration = Duration::from_secs(1);
 
+/// How long the feed keeps and waits for things.
+#[derive(Debug, Clone, Copy)]
+pub struct FeedTimeouts {
+    /// CHANGE_RETENTION: how long the outbox keeps a change (trigger).
+    pub retention: Duration,
+    /// REPLICATION_TIMEOUT: how long the decoder may go unheard
+    /// (replication: see `replication/liveness.rs`).
+    pub replication: Duration,
+}
+
 /// The feed of one process, and the cutoff's follower; both stop when it
 /// is stopped or dropped.
 pub struct Feed {
@@ -94,6 +104,8 @@ struct Setup {
     report: Arc<Mutex<Report>>,
     /// Kept across restarts of the feed's tasks: reads wait on it.
     beats: Arc<fanout::Beats>,
+    /// REPLICATION_TIMEOUT.
+    replication_timeout: Duration,
 }
 
 impl Feed {
@@ -102,7 +114,7 @@ impl Feed {
     pub async fn start(
         mode: ChangeFeed,
         database: &DatabaseSettings,
-        retention: Duration,
+        timeouts: FeedTimeouts,
         key_prefix: &str,
         read_path: Arc<ReadPath<PostStore>>,
     ) -> anyhow::Result<Self> {
@@ -140,7 +152,8 @@ impl Feed {
         let (sender, mut state) = watch::channel(None);
         let setup = Setup {
             database: database.clone(),
-            retention,
+            retention: timeouts.retention,
+            replication_timeout: timeouts.replication,
             key_prefix: key_prefix.to_owned(),
             read_path,
             pool: pool.clone(),
@@ -323,10 +336,11 @@ impl Setup {
             .map(|u| u.path().trim_start_matches('/').to_owned())
             .unwrap_or_default();
         let slot = replication::slot_name(&database_name, &self.key_prefix);
-        // A connection of its own for the decoder's visibility checks (one
-        // per batch): the feed's pool is busy with catch-ups and upkeep,
-        // and a batch must not wait behind them.
-        let visibility = store::connect_feed(&self.database, 1).unwrap_or_else(|error| {
+        // Connections of its own for the decoder's visibility checks (one
+        // per batch) and its probes of the primary (liveness.rs): the
+        // feed's pool is busy with catch-ups and upkeep, and neither must
+        // wait behind them.
+        let visibility = store::connect_feed(&self.database, 2).unwrap_or_else(|error| {
             tracing::warn!(%error, "the decoder's own connection could not be set up; sharing the feed's");
             self.pool.clone()
         });
@@ -338,6 +352,7 @@ impl Setup {
             slot: slot.clone(),
             stream_key,
             beats: beats.clone(),
+            timeout: self.replication_timeout,
         };
         let _connection = client.connect();
         let _reader = AbortOnDropHandle::new(tokio::spawn(reader.run()));
@@ -361,7 +376,15 @@ impl Setup {
                 self.set(if up { FeedState::Up } else { FeedState::Down });
             }
             let (lag_bytes, lag_seconds) = match beats.last() {
-                Some((at, behind)) if beats.fresh() => (Some(behind), at.elapsed().as_secs_f64()),
+                // How stale: from the last level beat (the decoder may beat
+                // while behind: alive, decoding a large transaction).
+                Some((_, behind)) if beats.fresh() => (
+                    Some(behind),
+                    beats
+                        .staleness()
+                        .unwrap_or_else(|| started.elapsed())
+                        .as_secs_f64(),
+                ),
                 last => {
                     let since = last.map_or(started, |(at, _)| at).elapsed().as_secs_f64();
                     let due = slot_lag_read.is_none_or(|at| at.elapsed() >= SLOT_LAG_EVERY);

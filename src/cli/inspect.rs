@@ -137,8 +137,12 @@ pub struct Channel {
 
 pub async fn run(args: &InspectArgs) -> anyhow::Result<Inspection> {
     args.cache.validate()?;
-    let redis =
-        crate::redis::connect_commands(&args.cache.redis_url, args.cache.redis_timeout).await?;
+    let redis = crate::redis::connect_commands(
+        &args.cache.redis_url,
+        args.cache.redis_timeout,
+        args.cache.redis_tcp(),
+    )
+    .await?;
     let keys = Keys::new(args.cache.key_prefix.clone(), "post");
     let item = keys.item(args.id);
     let snapshot = snapshot(&redis, &item)

@@ -44,8 +44,12 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
     args.database.validate()?;
     args.cache.validate()?;
     let pool = store::connect(&args.database).await?;
-    let redis =
-        crate::redis::connect_commands(&args.cache.redis_url, args.cache.redis_timeout).await?;
+    let redis = crate::redis::connect_commands(
+        &args.cache.redis_url,
+        args.cache.redis_timeout,
+        args.cache.redis_tcp(),
+    )
+    .await?;
     let keys = Keys::new(args.cache.key_prefix.clone(), "post");
     let settings = startup::read_path_settings(&args.cache, &args.database);
     let ids: &[i64] = if args.all { &[] } else { &args.ids };

@@ -9,6 +9,14 @@ use super::{
     CacheSettings, DatabaseSettings, ServeArgs,
 };
 
+/// The longest TCP keepalive or user timeout (PostgreSQL's and the
+/// kernel's integers hold it).
+const MAX_TCP_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+/// The shortest REPLICATION_TIMEOUT: the decoder's status goes out every
+/// 200 ms, and PostgreSQL must hear several within it.
+const MIN_REPLICATION_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// LOAD_TIMEOUT's margin over DB_STATEMENT_TIMEOUT when it is not set.
 const LOAD_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
 
@@ -49,7 +57,19 @@ impl DatabaseSettings {
             "DB_STATEMENT_TIMEOUT must be positive"
         );
         at_most_a_year("DB_ACQUIRE_TIMEOUT", self.db_acquire_timeout)?;
-        at_most_a_year("DB_STATEMENT_TIMEOUT", self.db_statement_timeout)
+        at_most_a_year("DB_STATEMENT_TIMEOUT", self.db_statement_timeout)?;
+        // PostgreSQL takes them as integers (seconds, milliseconds).
+        anyhow::ensure!(
+            self.db_tcp_keepalive <= MAX_TCP_TIMEOUT,
+            "DB_TCP_KEEPALIVE must be at most {}",
+            humantime::format_duration(MAX_TCP_TIMEOUT)
+        );
+        anyhow::ensure!(
+            self.db_tcp_user_timeout <= MAX_TCP_TIMEOUT,
+            "DB_TCP_USER_TIMEOUT must be at most {}",
+            humantime::format_duration(MAX_TCP_TIMEOUT)
+        );
+        Ok(())
     }
 }
 
@@ -79,6 +99,16 @@ impl CacheSettings {
         }
         if let Some(load_timeout) = self.load_timeout {
             at_most_a_year("LOAD_TIMEOUT", load_timeout)?;
+        }
+        for (name, d) in [
+            ("REDIS_TCP_KEEPALIVE", self.redis_tcp_keepalive),
+            ("REDIS_TCP_USER_TIMEOUT", self.redis_tcp_user_timeout),
+        ] {
+            anyhow::ensure!(
+                d <= MAX_TCP_TIMEOUT,
+                "{name} must be at most {}",
+                humantime::format_duration(MAX_TCP_TIMEOUT)
+            );
         }
         anyhow::ensure!(self.max_entry_bytes > 0, "MAX_ENTRY_BYTES must be positive");
         anyhow::ensure!(
@@ -137,9 +167,16 @@ impl ServeArgs {
             ("IDLE_TIMEOUT", self.idle_timeout),
             ("CHANGE_RETENTION", self.change_retention),
             ("REPLICA_MAX_LAG", self.replica_max_lag),
+            ("REPLICATION_TIMEOUT", self.replication_timeout),
         ] {
             at_most_a_year(name, d)?;
         }
+        anyhow::ensure!(
+            self.replication_timeout >= MIN_REPLICATION_TIMEOUT,
+            "REPLICATION_TIMEOUT ({}) must be at least {}",
+            humantime::format_duration(self.replication_timeout),
+            humantime::format_duration(MIN_REPLICATION_TIMEOUT)
+        );
         if !self.database_replica_urls.0.is_empty() {
             // REPLICA_MAX_LAG against the change fence's lifetime is not
             // checked here but by `Application::build`, with the store's

@@ -106,6 +106,19 @@ pub struct DatabaseSettings {
     /// PostgreSQL `statement_timeout` for the service's queries; must stay below LOCK_TTL.
     #[arg(long, env = "DB_STATEMENT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub db_statement_timeout: Duration,
+
+    /// TCP keepalive of every PostgreSQL session, set on the server's side
+    /// (`tcp_keepalives_idle`, whole seconds; probes a third of it apart,
+    /// three of them): a client gone without a word is found within about
+    /// twice this (0: the server's own setting).
+    #[arg(long, env = "DB_TCP_KEEPALIVE", default_value = "5s", value_parser = parse_duration)]
+    pub db_tcp_keepalive: Duration,
+
+    /// TCP_USER_TIMEOUT of every PostgreSQL session, on the server's side
+    /// (`tcp_user_timeout`): data unacknowledged this long ends the
+    /// session (0: the server's own setting).
+    #[arg(long, env = "DB_TCP_USER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub db_tcp_user_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -179,6 +192,16 @@ pub struct ServeArgs {
     /// 200 MiB (lowered at start to what the file-descriptor limit allows).
     #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 10_000)]
     pub max_connections: usize,
+
+    /// How long the change feed's decoder may go unheard before it is taken
+    /// for dead (replication): PostgreSQL ends the decoder's session past it
+    /// (its `wal_sender_timeout`), the decoder gives up the slot when the
+    /// server has not heard from it for half of it (or has sent what never
+    /// arrived), and the other instances then take the slot. The longest a
+    /// silent connection (a dead NAT entry, a host gone without a reset)
+    /// keeps the fleet blind.
+    #[arg(long, env = "REPLICATION_TIMEOUT", default_value = "4s", value_parser = parse_duration)]
+    pub replication_timeout: Duration,
 
     /// Read replicas for loads, comma-separated PostgreSQL URLs (empty:
     /// every load reads DATABASE_URL). A key is read from a replica only
@@ -262,6 +285,17 @@ pub struct CacheSettings {
     #[arg(long, env = "REDIS_TIMEOUT", default_value = "250ms", value_parser = parse_duration)]
     pub redis_timeout: Duration,
 
+    /// TCP keepalive of every Redis connection (idle time before the first
+    /// probe; 0: off): a connection whose peer is gone without a word is
+    /// found and made again.
+    #[arg(long, env = "REDIS_TCP_KEEPALIVE", default_value = "5s", value_parser = parse_duration)]
+    pub redis_tcp_keepalive: Duration,
+
+    /// TCP_USER_TIMEOUT of every Redis connection: data unacknowledged this
+    /// long ends the connection (0: the system's default).
+    #[arg(long, env = "REDIS_TCP_USER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub redis_tcp_user_timeout: Duration,
+
     /// Read path: none, naive, local, poll, pubsub.
     #[arg(long, env = "CACHE_STRATEGY", value_enum, default_value_t = Strategy::Pubsub)]
     pub cache_strategy: Strategy,
@@ -323,6 +357,16 @@ pub struct CacheSettings {
     /// once; past it, misses queue for the next statement.
     #[arg(long, env = "LOAD_STATEMENTS")]
     pub load_statements: Option<usize>,
+}
+
+impl CacheSettings {
+    /// The TCP settings of Redis connections.
+    pub fn redis_tcp(&self) -> crate::redis::Tcp {
+        crate::redis::Tcp {
+            keepalive: self.redis_tcp_keepalive,
+            user_timeout: self.redis_tcp_user_timeout,
+        }
+    }
 }
 
 #[cfg(test)]

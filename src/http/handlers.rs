@@ -207,8 +207,7 @@ pub async fn read_post_wanted(
     match past {
         Ok((mut answers, at)) => {
             let answer = answers.pop().expect("one answer per id");
-            let mut response =
-                counted(state, &answer, &validators, started, now_millis(), Some(at));
+            let mut response = counted(state, &answer, &validators, started, now_millis(), at);
             past_headers(response.headers_mut());
             response
         }
@@ -262,13 +261,22 @@ pub(super) fn from_cache(waited: bool) {
 
 /// Reads `ids` past the cache, at a position at least the one `wanted`
 /// names: an answer per id, in order (served as a bypass, stored nowhere),
-/// and the position they were read at.
+/// and a position they reflect every commit up to, if one is known.
+///
+/// From a replica, that is the position it had replayed before it read (a
+/// standby shows commits in the order they were replayed). The primary
+/// shows a commit a moment after its record is written (longer while a
+/// synchronous standby holds it), so its WAL position may name a commit
+/// its rows do not have yet: the answer says the position this instance's
+/// change feed had reached before the read (the decoder applies a commit
+/// only once it is visible), or none.
 pub(super) async fn read_past(
     state: &AppState,
     ids: &[i64],
     wanted: Wanted,
-) -> Result<(Vec<Answer>, u64), ApiError> {
+) -> Result<(Vec<Answer>, Option<u64>), ApiError> {
     let started = Instant::now();
+    let visible = state.feed.beats().position_at(started);
     let min = wanted.min_lsn.unwrap_or(0);
     let read = state
         .store
@@ -306,7 +314,12 @@ pub(super) async fn read_past(
             Answer::new(entry, Served::Bypass).map_err(ApiError::from)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok((answers, read.position))
+    let at = if read.replica {
+        Some(read.position)
+    } else {
+        visible
+    };
+    Ok((answers, at))
 }
 
 /// What a read past the cache says of itself, beside a bypass's headers.

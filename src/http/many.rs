@@ -141,7 +141,7 @@ pub async fn get_posts(
                 Some(cached) => cached,
                 None => {
                     let (answers, at) = handlers::read_past(&state, &keys, *wanted).await?;
-                    (answers.into_iter().map(Ok).collect(), Some(at), true)
+                    (answers.into_iter().map(Ok).collect(), at, true)
                 }
             }
         }

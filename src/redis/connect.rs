@@ -79,9 +79,35 @@ fn cluster_nodes_as_query(url: &str) -> String {
     format!("{scheme}://{credentials}{first}{path}?{}", params.join("&"))
 }
 
+/// The TCP settings of every Redis connection (REDIS_TCP_KEEPALIVE,
+/// REDIS_TCP_USER_TIMEOUT; zero: off): a connection whose peer is gone
+/// without a word (a host lost, a NAT entry dropped) fails and is made
+/// again, instead of holding its commands until the kernel gives up on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tcp {
+    pub keepalive: Duration,
+    pub user_timeout: Duration,
+}
+
+impl Tcp {
+    fn config(self) -> fred::types::config::TcpConfig {
+        let keepalive = (!self.keepalive.is_zero()).then(|| {
+            fred::socket2::TcpKeepalive::new()
+                .with_time(self.keepalive)
+                .with_interval((self.keepalive / 3).max(Duration::from_secs(1)))
+                .with_retries(3)
+        });
+        fred::types::config::TcpConfig {
+            keepalive,
+            user_timeout: (!self.user_timeout.is_zero()).then_some(self.user_timeout),
+            ..Default::default()
+        }
+    }
+}
+
 /// The client builder of REDIS_URL with the service's connection policy:
 /// reconnecting for ever, each command bounded by REDIS_TIMEOUT.
-fn builder(url: &str, timeout: Duration) -> anyhow::Result<Builder> {
+fn builder(url: &str, timeout: Duration, tcp: Tcp) -> anyhow::Result<Builder> {
     let config = config_from_url(url)?;
     let mut builder = Builder::from_config(config);
     builder
@@ -94,6 +120,7 @@ fn builder(url: &str, timeout: Duration) -> anyhow::Result<Builder> {
         .with_connection_config(|c| {
             c.connection_timeout = timeout.max(Duration::from_millis(500));
             c.internal_command_timeout = timeout.max(Duration::from_millis(500));
+            c.tcp = tcp.config();
         })
         .with_performance_config(|p| {
             // Each command bounded inside the client too: a command whose
@@ -112,8 +139,12 @@ fn builder(url: &str, timeout: Duration) -> anyhow::Result<Builder> {
 
 /// The commands of REDIS_URL for a one-shot command (`invalidate`): one
 /// client, connected (a cluster client routes each key by itself).
-pub async fn connect_commands(url: &str, timeout: Duration) -> anyhow::Result<RedisCommands> {
-    let client = builder(url, timeout)?
+pub async fn connect_commands(
+    url: &str,
+    timeout: Duration,
+    tcp: Tcp,
+) -> anyhow::Result<RedisCommands> {
+    let client = builder(url, timeout, tcp)?
         .build()
         .context("invalid Redis settings")?;
     drop(client.connect());
@@ -130,8 +161,9 @@ pub async fn connect_commands(url: &str, timeout: Duration) -> anyhow::Result<Re
 pub async fn connect(
     url: &str,
     timeout: Duration,
+    tcp: Tcp,
 ) -> anyhow::Result<(Client, SubscriberClient, Nodes)> {
-    let builder = builder(url, timeout)?;
+    let builder = builder(url, timeout, tcp)?;
     let client = builder.build().context("invalid Redis settings")?;
     let subscriber = builder
         .build_subscriber_client()

@@ -22,7 +22,7 @@ pub mod scripts;
 mod subscriber;
 
 pub use commands::{Before, FirstLook, LockTtl, OnWon, RedisCommands, ValueClaim};
-pub use connect::{config_from_url, connect, connect_commands};
+pub use connect::{config_from_url, connect, connect_commands, Tcp};
 pub use error::{with_backoff, RedisError, RETRY_FIRST};
 pub use inspect::{snapshot, ItemSnapshot};
 pub use nodes::Nodes;

@@ -12,8 +12,8 @@ mod replicas;
 mod wal;
 
 pub use pools::{
-    connect, connect_feed, connect_probe, connect_replica, ensure_database, migrate, MIGRATOR,
-    PING_IDLE_AFTER,
+    connect, connect_feed, connect_probe, connect_replica, ensure_database, migrate,
+    socket_options, MIGRATOR, PING_IDLE_AFTER,
 };
 pub use posts::{PostStore, ReadAt};
 pub use replicas::{check_replica_lag, ReplicaReport, Replicas, PROBE_FRESH};

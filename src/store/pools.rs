@@ -109,12 +109,39 @@ fn connect_options(settings: &DatabaseSettings) -> anyhow::Result<PgConnectOptio
 
 fn url_options(settings: &DatabaseSettings, url: &str) -> anyhow::Result<PgConnectOptions> {
     let timeout_ms = settings.db_statement_timeout.as_millis().max(1).to_string();
+    let socket = socket_options(settings);
     Ok(PgConnectOptions::from_str(url)?
         .application_name("postcache")
-        .options([
-            ("statement_timeout", timeout_ms.as_str()),
-            ("client_connection_check_interval", CLIENT_CHECK_INTERVAL),
-        ]))
+        .options(
+            [
+                ("statement_timeout", timeout_ms.as_str()),
+                ("client_connection_check_interval", CLIENT_CHECK_INTERVAL),
+            ]
+            .into_iter()
+            .chain(socket.iter().map(|(name, value)| (*name, value.as_str()))),
+        ))
+}
+
+/// The session settings that make PostgreSQL's side of a connection find a
+/// peer gone without a word (DB_TCP_KEEPALIVE, DB_TCP_USER_TIMEOUT): a
+/// client host that vanished, a NAT entry that died. The client library
+/// (sqlx) sets no socket option of its own; the client side of a dead
+/// connection is bounded by each query's timeout instead (LOAD_TIMEOUT,
+/// the probes'). Empty for what is 0 (the server's setting then holds).
+pub fn socket_options(settings: &DatabaseSettings) -> Vec<(&'static str, String)> {
+    let mut options = Vec::new();
+    let idle = settings.db_tcp_keepalive.as_secs();
+    if !settings.db_tcp_keepalive.is_zero() {
+        let idle = idle.max(1);
+        options.push(("tcp_keepalives_idle", idle.to_string()));
+        options.push(("tcp_keepalives_interval", (idle / 3).max(1).to_string()));
+        options.push(("tcp_keepalives_count", "3".to_owned()));
+    }
+    if !settings.db_tcp_user_timeout.is_zero() {
+        let ms = settings.db_tcp_user_timeout.as_millis().max(1);
+        options.push(("tcp_user_timeout", ms.to_string()));
+    }
+    options
 }
 
 /// A lazily connecting pool whose connections carry the statement timeout.

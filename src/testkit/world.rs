@@ -72,6 +72,8 @@ impl TestEnv {
             db_max_connections: 4,
             db_acquire_timeout: Duration::from_secs(10),
             db_statement_timeout: Duration::from_secs(30),
+            db_tcp_keepalive: Duration::from_secs(5),
+            db_tcp_user_timeout: Duration::from_secs(10),
         };
         crate::store::migrate(&settings)
             .await

@@ -13,6 +13,7 @@ mod connections;
 mod docs;
 mod faults;
 mod freshness;
+mod gray;
 mod guarantees;
 mod guard;
 mod harness;

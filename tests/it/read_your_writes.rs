@@ -213,8 +213,8 @@ async fn a_position_or_bound_that_does_not_parse_or_is_past_the_server_is_a_400(
 
 /// Without a feed that knows its position (CHANGE_FEED=off here; the
 /// trigger mode and a feed down are the same), reads with a position go to
-/// the primary, correct but slower, and `/readyz` says so; plain answers
-/// say no position.
+/// the primary, correct but slower, and `/readyz` says so; no answer says
+/// a position (the primary's may name a commit it does not show yet).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn without_the_feeds_position_reads_with_one_go_to_the_primary() {
     let env = TestEnv::new(3).await;
@@ -244,7 +244,9 @@ async fn without_the_feeds_position_reads_with_one_go_to_the_primary() {
         reply.cache_status(),
         Some("postcache; fwd=bypass; detail=position")
     );
-    assert!(said_position(&reply).unwrap() >= parse_lsn(&at).unwrap());
+    // The primary's WAL position may name commits it does not show yet:
+    // without a feed that vouches for one, a read of the primary says none.
+    assert_eq!(said_position(&reply), None);
     let batch = read_at(
         &app.http,
         "/posts?ids=1,2,99",

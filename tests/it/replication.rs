@@ -783,6 +783,8 @@ async fn on_a_server_without_logical_decoding_auto_is_the_trigger_mode() {
         db_max_connections: 2,
         db_acquire_timeout: Duration::from_secs(10),
         db_statement_timeout: Duration::from_secs(30),
+        db_tcp_keepalive: Duration::from_secs(5),
+        db_tcp_user_timeout: Duration::from_secs(10),
     };
     postcache::store::migrate(&settings).await.unwrap();
     sqlx::query("insert into posts (id, title, body, author) values (1, 'one', 'b', 'a')")
@@ -877,5 +879,81 @@ async fn a_commit_decoded_before_it_is_visible_is_not_hidden_by_a_load_of_the_ol
         .await
         .unwrap();
     assert_eq!(visible, "held by the standby");
+    read_within(&app.http, 3, "held by the standby", Duration::from_secs(2)).await;
+}
+
+/// A read past the cache says in `PostCache-LSN` only a position whose
+/// commits it reflects. With a commit held by a synchronous standby that
+/// never comes (written, not visible), a read asking for no staleness at
+/// all reads the primary and gets the old row: its position must come
+/// before the held commit. (It was the primary's WAL insert position, past
+/// the held commit: a client sending it back elsewhere as
+/// `PostCache-Min-LSN` was owed a version this answer did not have.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_past_the_cache_names_no_commit_it_does_not_reflect() {
+    let Some((_primary, env)) = on_a_private_primary(&[
+        "alter system set synchronous_standby_names = 'nobody'",
+        "alter system set synchronous_commit = 'local'",
+    ])
+    .await
+    else {
+        return;
+    };
+    let app = env.spawn(&REPLICATION_LONG_LIVED).await;
+    until_feed(&app.http, "up").await;
+    let old = app.http.title(3).await.expect("post 3");
+
+    let mut writer = PgConnection::connect(&env.db_url).await.unwrap();
+    let held = tokio::spawn(async move {
+        sqlx::query("set synchronous_commit = on")
+            .execute(&mut writer)
+            .await
+            .unwrap();
+        sqlx::query("update posts set title = 'held by the standby' where id = 3")
+            .execute(&mut writer)
+            .await
+    });
+    wait_until("the commit to wait for the standby", A_WHILE, async || {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_stat_activity where wait_event = 'SyncRep'",
+        )
+        .fetch_one(&env.admin)
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
+    // Past the held commit's record.
+    let written: i64 =
+        sqlx::query_scalar("select (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+            .fetch_one(&env.admin)
+            .await
+            .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let reply = app
+        .http
+        .send(
+            reqwest::Method::GET,
+            "/posts/3",
+            &[("PostCache-Max-Staleness", "0ms")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.json()["title"], old.as_str(), "not visible yet");
+    assert_eq!(reply.x_cache.as_deref(), Some("bypass"));
+    let said = reply
+        .headers
+        .get("postcache-lsn")
+        .map(|v| postcache::http::position::parse_lsn(v.to_str().unwrap()).unwrap());
+    assert!(
+        said.is_none_or(|lsn| lsn < written as u64),
+        "PostCache-LSN {said:?} names the held commit (written by {written})"
+    );
+
+    sqlx::query("select pg_cancel_backend(pid) from pg_stat_activity where wait_event = 'SyncRep'")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    held.await.unwrap().expect("the update commits locally");
     read_within(&app.http, 3, "held by the standby", Duration::from_secs(2)).await;
 }

@@ -6,6 +6,8 @@ use std::{collections::HashMap, time::Duration};
 use anyhow::Context;
 use pgwire_replication::{ReplicationConfig, SslMode, TlsConfig};
 
+use crate::config::DatabaseSettings;
+
 /// The publication of `posts` (migration 0004).
 pub const PUBLICATION: &str = "postcache_posts";
 
@@ -68,6 +70,25 @@ pub fn replication_config(database_url: &str, slot: &str) -> anyhow::Result<Repl
         config = config.with_port(port);
     }
     Ok(config)
+}
+
+/// The decoder's session settings (the startup packet's `options`):
+/// PostgreSQL ends the session when it hears nothing from the decoder for
+/// `timeout` (`wal_sender_timeout`, which it also reads statuses by while
+/// it decodes a large transaction: see `liveness.rs`), and its side of the
+/// socket finds a peer gone without a word (DB_TCP_KEEPALIVE,
+/// DB_TCP_USER_TIMEOUT).
+pub(super) fn session_options(database: &DatabaseSettings, timeout: Duration) -> String {
+    let mut options = vec![format!(
+        "-c wal_sender_timeout={}",
+        timeout.as_millis().max(1)
+    )];
+    options.extend(
+        crate::store::socket_options(database)
+            .into_iter()
+            .map(|(name, value)| format!("-c {name}={value}")),
+    );
+    options.join(" ")
 }
 
 fn percent_decode(s: &str) -> anyhow::Result<String> {

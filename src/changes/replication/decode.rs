@@ -14,6 +14,7 @@ use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use super::{
     batch::{Batch, DecoderProgress, Pending, RETRY_LIST_MAX},
     fanout::{self, Entry, BEAT_EVERY, POSITION_EVERY},
+    liveness::{Seen, Session, Verdict},
     pgoutput::{self, Layouts, Message},
     Candidate,
 };
@@ -48,15 +49,18 @@ fn since_commit(commit_time_micros: i64) -> Duration {
 }
 
 impl Candidate {
-    pub(super) async fn decode(&self, client: &mut ReplicationClient) -> anyhow::Result<()> {
+    pub(super) async fn decode(
+        &self,
+        client: &mut ReplicationClient,
+        session: &mut Session,
+        start: Lsn,
+    ) -> anyhow::Result<()> {
         let mut relations = Relations::default();
         let mut pending: Option<Pending> = None;
         let mut batch = Batch::default();
+        // Everything before the start was applied by the decoders before.
         let mut progress = DecoderProgress::default();
-        let mut server_end = Lsn(0);
-        // The server sends a keepalive once it has sent everything up to
-        // its end: only then do the beats say this decoder keeps up.
-        let mut caught_up = false;
+        progress.read_to(start);
         let mut beat = tokio::time::interval(BEAT_EVERY);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -64,7 +68,16 @@ impl Candidate {
             // that a burst of commits costs one round of applications and
             // one stream entry; once nothing more is here, the batch goes.
             let event = match client.recv().now_or_never() {
-                Some(event) => event?,
+                Some(event) => {
+                    // A long burst still beats (judged busy: what the
+                    // server sent may wait in this process).
+                    if session.judged.elapsed() >= BEAT_EVERY {
+                        let open = pending.is_some() || batch.last.is_some();
+                        self.judge_and_beat(client, session, &mut progress, open, false)
+                            .await?;
+                    }
+                    event?
+                }
                 // A batch lingers a little for more commits: under a write
                 // load that turns a round of applications, a stream entry
                 // and every instance's read per commit into one per batch.
@@ -78,27 +91,27 @@ impl Candidate {
                     continue;
                 }
                 None => {
-                    self.flush(&mut batch, &mut progress).await?;
+                    self.flush(&mut batch, &mut progress, session).await?;
                     client.update_applied_lsn(progress.confirmable());
                     // The position moved past what the stream last said
                     // (a keepalive after WAL of other tables): a beat says
                     // so soon, for reads waiting on a position (see
                     // POSITION_EVERY), not a BEAT_EVERY later.
-                    let keeps_up = caught_up && pending.is_none() && progress.retry.is_empty();
+                    let keeps_up = pending.is_none() && progress.retry.is_empty();
                     let tell = (keeps_up && progress.applied.0 > progress.announced)
                         .then(|| progress.announced_at + POSITION_EVERY);
                     tokio::select! {
                         event = client.recv() => event?,
                         _ = beat.tick() => {
                             self.retry(&mut progress).await?;
-                            if caught_up && pending.is_none() && progress.retry.is_empty() {
-                                self.beat(server_end, &mut progress).await?;
-                            }
+                            let open = pending.is_some();
+                            self.judge_and_beat(client, session, &mut progress, open, true).await?;
                             client.update_applied_lsn(progress.confirmable());
                             continue;
                         }
                         _ = tokio::time::sleep_until(tell.unwrap_or_else(Instant::now).into()), if tell.is_some() => {
-                            self.beat(server_end, &mut progress).await?;
+                            let open = pending.is_some();
+                            self.judge_and_beat(client, session, &mut progress, open, true).await?;
                             continue;
                         }
                     }
@@ -113,8 +126,7 @@ impl Candidate {
                     xid,
                     ..
                 } => pending = Some(Pending::new(commit_time_micros, xid)),
-                ReplicationEvent::XLogData { data, wal_end, .. } => {
-                    server_end = server_end.max(wal_end);
+                ReplicationEvent::XLogData { data, .. } => {
                     let Some(tx) = pending.as_mut() else {
                         continue;
                     };
@@ -124,10 +136,9 @@ impl Candidate {
                     let Some(tx) = pending.take() else {
                         continue;
                     };
-                    server_end = server_end.max(end_lsn);
                     if tx.all {
-                        self.flush(&mut batch, &mut progress).await?;
-                        self.until_visible(&[tx.xid]).await?;
+                        self.flush(&mut batch, &mut progress, session).await?;
+                        self.until_visible(&[tx.xid], session, &progress).await?;
                         self.all_posts(Some(end_lsn.0), Since(end_lsn.0)).await?;
                         metrics::change_applied("all", since_commit(tx.commit_time_micros));
                         // Every post: what waited is covered.
@@ -138,14 +149,12 @@ impl Candidate {
                     }
                     batch.add(tx, end_lsn, &mut progress);
                     if batch.due() {
-                        self.flush(&mut batch, &mut progress).await?;
+                        self.flush(&mut batch, &mut progress, session).await?;
                         client.update_applied_lsn(progress.confirmable());
                     }
                 }
                 ReplicationEvent::KeepAlive { wal_end, .. } => {
                     tracing::trace!(%wal_end, "keepalive");
-                    server_end = server_end.max(wal_end);
-                    caught_up = true;
                     if pending.is_none() {
                         // Nothing of ours is open: everything the server
                         // sent is read, once the batch is applied (the
@@ -164,13 +173,58 @@ impl Candidate {
         }
     }
 
-    /// Appends a beat: everything the server sent is applied, and how far
-    /// behind its end the decoder is.
-    async fn beat(&self, server_end: Lsn, progress: &mut DecoderProgress) -> anyhow::Result<()> {
-        let behind = server_end.0.saturating_sub(progress.applied.0);
+    /// Judges what this session can vouch for now and beats it (see
+    /// `liveness.rs`): level, behind, nothing (unsure), or, dead, the
+    /// session ends, the fleet told.
+    async fn judge_and_beat(
+        &self,
+        client: &ReplicationClient,
+        session: &mut Session,
+        progress: &mut DecoderProgress,
+        open: bool,
+        waiting: bool,
+    ) -> anyhow::Result<()> {
+        let now = Instant::now();
+        session.judged = now;
+        // Told or not, the position waits a POSITION_EVERY before the next
+        // telling (no beat goes out while unsure, and none is tried at once
+        // again).
+        progress.announced_at = now;
+        let seen = Seen {
+            applied: progress.applied.0,
+            open: open || !progress.retry.is_empty(),
+            received: client.metrics().last_wal_end().0,
+            waiting,
+        };
+        let probe = session.probes.borrow().clone();
+        let (verdict, nudge) = session.judge.judge(probe.as_ref(), seen, now);
+        if nudge {
+            session
+                .nudge
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        let (behind, age) = match verdict {
+            Verdict::Level { age } => (0, age),
+            Verdict::Behind { bytes } => (bytes, Duration::ZERO),
+            Verdict::Unsure => return Ok(()),
+            Verdict::Dead(why) => {
+                metrics::decoder_gave_up();
+                let stopped = Entry::Stopped {
+                    session: session.id,
+                };
+                if let Err(error) =
+                    fanout::append(self.read_path.redis(), &self.stream_key, &stopped).await
+                {
+                    tracing::debug!(%error, "could not tell the fleet the decoder stopped");
+                }
+                anyhow::bail!("the decoder gives up the slot: {why}");
+            }
+        };
         let entry = Entry::Beat {
             lsn: progress.applied.0,
             behind,
+            age_ms: age.as_millis() as u64,
+            session: session.id,
         };
         fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
         progress.announce(progress.applied.0);
@@ -183,12 +237,18 @@ impl Candidate {
     /// waits in the retry list, and holds the confirmed LSN back until it
     /// is applied: after a crash the server sends it again. An error ends
     /// the session unconfirmed.
-    async fn flush(&self, batch: &mut Batch, progress: &mut DecoderProgress) -> anyhow::Result<()> {
+    async fn flush(
+        &self,
+        batch: &mut Batch,
+        progress: &mut DecoderProgress,
+        session: &mut Session,
+    ) -> anyhow::Result<()> {
         batch.until = None;
         let Some(last) = batch.last.take() else {
             return Ok(());
         };
-        self.until_visible(&std::mem::take(&mut batch.xids)).await?;
+        self.until_visible(&std::mem::take(&mut batch.xids), session, progress)
+            .await?;
         batch.flushed = Some(Instant::now());
         let lag = since_commit(batch.first_commit_micros);
         let changes: Vec<(i64, ChangeKind, u64)> = batch
@@ -214,14 +274,23 @@ impl Candidate {
     /// snapshot of the server shows each of its transactions (completed
     /// before its xmax and not among its running, see [`Snapshot::shows`]):
     /// one query per batch, almost always answered at once. While
-    /// it waits no beat goes out: past BEAT_STALE the instances serve as
-    /// with the feed down.
-    async fn until_visible(&self, xids: &[u32]) -> anyhow::Result<()> {
+    /// it waits, the beats say the decoder is behind (alive, never level:
+    /// the instances keep their memory tiers, which hold what every reader
+    /// of the primary still sees, and no instance takes the slot).
+    async fn until_visible(
+        &self,
+        xids: &[u32],
+        session: &mut Session,
+        progress: &DecoderProgress,
+    ) -> anyhow::Result<()> {
         if xids.is_empty() {
             return Ok(());
         }
         let mut pause = VISIBLE_FIRST_PAUSE;
         loop {
+            if session.judged.elapsed() >= BEAT_EVERY {
+                self.beat_behind(session, progress).await?;
+            }
             let text: String = sqlx::query_scalar("select pg_current_snapshot()::text")
                 .fetch_one(&self.visibility)
                 .await?;
@@ -355,6 +424,25 @@ impl Candidate {
             .await?;
             progress.announce(upto);
         }
+        Ok(())
+    }
+
+    /// A beat that says the decoder is alive and behind, whatever it has
+    /// applied (it holds something back).
+    async fn beat_behind(
+        &self,
+        session: &mut Session,
+        progress: &DecoderProgress,
+    ) -> anyhow::Result<()> {
+        session.judged = Instant::now();
+        let wal = session.probes.borrow().as_ref().map_or(0, |p| p.wal);
+        let entry = Entry::Beat {
+            lsn: progress.applied.0,
+            behind: wal.saturating_sub(progress.applied.0).max(1),
+            age_ms: 0,
+            session: session.id,
+        };
+        fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
         Ok(())
     }
 

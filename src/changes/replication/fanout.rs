@@ -88,9 +88,21 @@ pub enum Entry {
     /// cutoff was raised to `cutoff` (unix ms; 0 in an entry without the
     /// field), for the change at `lsn` (0: not known).
     All { lsn: u64, cutoff: u64 },
-    /// The decoder keeps up: it has applied everything to `lsn`, and the
-    /// server's WAL is `behind` bytes further.
-    Beat { lsn: u64, behind: u64 },
+    /// The decoder is alive: it has applied everything to `lsn`, and the
+    /// primary's WAL was `behind` bytes further when it last looked (0:
+    /// level, every commit visible `age_ms` before the beat applied; see
+    /// `liveness.rs`). `session` names the decoder's session (0 in an entry
+    /// without it).
+    Beat {
+        lsn: u64,
+        behind: u64,
+        age_ms: u64,
+        session: u64,
+    },
+    /// The decoder of `session` gave up the slot (it could not vouch for its
+    /// connection): its beats say nothing more, and the other instances
+    /// take the slot without waiting for the beats to go stale.
+    Stopped { session: u64 },
 }
 
 impl Entry {
@@ -118,8 +130,23 @@ impl Entry {
                 ("all", "1".into()),
                 ("cutoff", cutoff.to_string()),
             ],
-            Entry::Beat { lsn, behind } => {
-                vec![("lsn", lsn.to_string()), ("beat", behind.to_string())]
+            Entry::Beat {
+                lsn,
+                behind,
+                age_ms,
+                session,
+            } => {
+                let mut fields = vec![("lsn", lsn.to_string()), ("beat", behind.to_string())];
+                if *age_ms != 0 {
+                    fields.push(("age", age_ms.to_string()));
+                }
+                if *session != 0 {
+                    fields.push(("session", session.to_string()));
+                }
+                fields
+            }
+            Entry::Stopped { session } => {
+                vec![("lsn", "0".into()), ("stopped", session.to_string())]
             }
         }
     }
@@ -128,10 +155,23 @@ impl Entry {
     /// (written by something else): the reader then forgets everything.
     fn parse(fields: &HashMap<String, String>) -> Option<Self> {
         let lsn = fields.get("lsn")?.parse().ok()?;
+        let number = |name: &str| -> Option<u64> {
+            match fields.get(name) {
+                Some(n) => n.parse().ok(),
+                None => Some(0),
+            }
+        };
         if let Some(behind) = fields.get("beat") {
             return Some(Entry::Beat {
                 lsn,
                 behind: behind.parse().ok()?,
+                age_ms: number("age")?,
+                session: number("session")?,
+            });
+        }
+        if let Some(session) = fields.get("stopped") {
+            return Some(Entry::Stopped {
+                session: session.parse().ok()?,
             });
         }
         if fields.contains_key("all") {
@@ -205,6 +245,10 @@ pub struct Beats {
     applied: AtomicU64,
     /// Woken whenever `applied` moves on.
     advanced: Notify,
+    /// The session of the decoder whose beat was read last (0: none).
+    session: AtomicU64,
+    /// When a read of the stream last succeeded (as `beat_at`).
+    read_at: AtomicU64,
 }
 
 impl Default for Beats {
@@ -216,6 +260,8 @@ impl Default for Beats {
             level_at: AtomicU64::new(0),
             applied: AtomicU64::new(0),
             advanced: Notify::new(),
+            session: AtomicU64::new(0),
+            read_at: AtomicU64::new(0),
         }
     }
 }
@@ -240,23 +286,47 @@ impl Beats {
         }
     }
 
-    fn beat(&self, lsn: u64, behind: u64) {
+    fn beat(&self, lsn: u64, behind: u64, age_ms: u64, session: u64) {
         *self.last.lock().unwrap() = Some((Instant::now(), behind));
+        self.session.store(session, Ordering::SeqCst);
         // A beat says the decoder's whole progress: it is the position,
         // even below the last one (a new decoder on a new timeline, a slot
         // made again), which only makes reads wait or go past the cache.
         self.applied.store(lsn, Ordering::SeqCst);
-        // Only a beat that says the decoder had nothing left to apply
-        // bounds the instance's staleness (PostCache-Max-Staleness).
-        if behind == 0 {
-            let at = self.epoch.elapsed().as_millis() as u64 + 1;
-            self.level_at.store(at, Ordering::SeqCst);
-        }
         let at = self.epoch.elapsed().as_millis() as u64 + 1;
+        // Only a beat that says the decoder had applied every commit
+        // visible when it last looked bounds the instance's staleness
+        // (PostCache-Max-Staleness), from when it looked: the beat's age.
+        if behind == 0 {
+            let level = at.saturating_sub(age_ms).max(1);
+            self.level_at.fetch_max(level, Ordering::SeqCst);
+        }
         self.beat_at.store(at, Ordering::SeqCst);
         // Every beat wakes the waiting reads: also one that says a
         // position already held, after the feed came back.
         self.advanced.notify_waiters();
+    }
+
+    /// The decoder of `session` gave up the slot: if it is the one that
+    /// beat last, the feed is down until a beat comes again.
+    fn stopped(&self, session: u64) {
+        if session != 0 && self.session.load(Ordering::SeqCst) == session {
+            self.forget();
+        }
+    }
+
+    /// A read of the stream succeeded now.
+    fn read_now(&self) {
+        let at = self.epoch.elapsed().as_millis() as u64 + 1;
+        self.read_at.store(at, Ordering::SeqCst);
+    }
+
+    /// Whether this instance read the stream within `within`: its view of
+    /// the beats is current (a standby that cannot read it must not judge
+    /// the decoder by beats it does not see).
+    pub fn stream_read_within(&self, within: Duration) -> bool {
+        self.age(self.read_at.load(Ordering::SeqCst))
+            .is_some_and(|age| age < within)
     }
 
     /// Everything committed up to `lsn` is applied here.
@@ -466,6 +536,7 @@ impl Reader {
                 read.into_xread_response()?
             };
             self.connected.send_replace(true);
+            self.beats.read_now();
             *backoff = RETRY_FIRST;
             for (id, fields) in read.into_values().flatten() {
                 self.take(Entry::parse(&fields)).await;
@@ -478,7 +549,13 @@ impl Reader {
         match entry {
             // Set once what it says is applied here (the memory tier has
             // forgotten what it names).
-            Some(Entry::Beat { lsn, behind }) => self.beats.beat(lsn, behind),
+            Some(Entry::Beat {
+                lsn,
+                behind,
+                age_ms,
+                session,
+            }) => self.beats.beat(lsn, behind, age_ms, session),
+            Some(Entry::Stopped { session }) => self.beats.stopped(session),
             Some(Entry::Posts {
                 ids, deleted, upto, ..
             }) => {
@@ -628,7 +705,16 @@ mod tests {
             Entry::Beat {
                 lsn: 9,
                 behind: 120,
+                age_ms: 0,
+                session: 0,
             },
+            Entry::Beat {
+                lsn: 9,
+                behind: 0,
+                age_ms: 35,
+                session: 0xDEAD_BEEF,
+            },
+            Entry::Stopped { session: 7 },
         ] {
             assert_eq!(read_back(&entry), Some(entry));
         }

@@ -40,6 +40,7 @@ mod batch;
 mod connection;
 mod decode;
 pub mod fanout;
+mod liveness;
 pub mod pgoutput;
 
 use std::{
@@ -51,7 +52,7 @@ use pgwire_replication::ReplicationClient;
 use rand::Rng;
 use sqlx::PgPool;
 
-use connection::{refusal, Refusal};
+use connection::{refusal, session_options, Refusal};
 pub use connection::{replication_config, PUBLICATION};
 
 use crate::{
@@ -122,13 +123,24 @@ pub(super) struct Candidate {
     pub database: DatabaseSettings,
     /// For making, dropping and measuring the slot (one connection).
     pub pool: PgPool,
-    /// For the decoder's checks that a batch's commits are visible (one
-    /// connection of its own: see `decode.rs`, `until_visible`).
+    /// For the decoder's checks that a batch's commits are visible and its
+    /// probes of the primary (connections of their own: see `decode.rs`,
+    /// `until_visible`, and `liveness.rs`).
     pub visibility: PgPool,
     pub slot: String,
     pub stream_key: String,
     pub beats: Arc<Beats>,
+    /// REPLICATION_TIMEOUT.
+    pub timeout: Duration,
 }
+
+/// A standby ends the walsender of a slot whose beats stopped only if it
+/// started at least this long ago (on the server's clock): the holder that
+/// just took the slot has not beaten yet.
+const TAKEOVER_GRACE: Duration = Duration::from_secs(4);
+/// A standby judges the decoder by the beats only while it reads the
+/// stream: within this of its last read (an XREAD blocks up to a second).
+const STREAM_CURRENT: Duration = Duration::from_secs(2);
 
 impl Candidate {
     /// Stands by, and holds the slot whenever no other instance does, until
@@ -174,9 +186,13 @@ impl Candidate {
                 .map(refusal)
             {
                 Some(Refusal::Held) => {
-                    tracing::debug!("the slot is held by another instance; standing by");
-                    // Its beats should be here soon; try again if not.
-                    BEAT_STALE
+                    if self.take_over().await {
+                        Duration::ZERO
+                    } else {
+                        tracing::debug!("the slot is held by another instance; standing by");
+                        // Its beats should be here soon; try again if not.
+                        BEAT_STALE
+                    }
                 }
                 // What changes while no slot is there is unknown: the gap
                 // is marked in Redis before the slot is made, and closed by
@@ -230,6 +246,67 @@ impl Candidate {
             let jitter = rand::rng().random_range(0.0..0.5);
             tokio::time::sleep(pause.mul_f64(1.0 + jitter)).await;
         }
+    }
+
+    /// Ends the walsender that holds the slot while no beat comes (its
+    /// decoder died, stopped, or went silent, and PostgreSQL has not noticed
+    /// yet): whether it did. Only while this instance reads the stream (the
+    /// beats it misses are missing), and only a walsender older than
+    /// TAKEOVER_GRACE. Needs the right to signal it: the same role as the
+    /// holder's, or `pg_signal_backend`; without it the walsender ends at
+    /// its `wal_sender_timeout` (REPLICATION_TIMEOUT, which the decoder
+    /// sets for its own session).
+    async fn take_over(&self) -> bool {
+        if self.beats.fresh() || !self.beats.stream_read_within(STREAM_CURRENT) {
+            return false;
+        }
+        let ended = sqlx::query_scalar::<_, bool>(
+            "select pg_terminate_backend(a.pid)
+             from pg_replication_slots s join pg_stat_activity a on a.pid = s.active_pid
+             where s.slot_name = $1
+               and a.backend_start < now() - make_interval(secs => $2)",
+        )
+        .bind(&self.slot)
+        .bind(TAKEOVER_GRACE.as_secs_f64())
+        .fetch_optional(&self.pool)
+        .await;
+        match ended {
+            Ok(Some(true)) => {
+                metrics::decoder_taken_over();
+                tracing::warn!(
+                    slot = self.slot,
+                    "no beat from the decoder that holds the slot: its walsender ended, this instance takes the slot"
+                );
+                true
+            }
+            Ok(_) => false,
+            Err(error) => {
+                static TOLD: std::sync::Once = std::sync::Once::new();
+                TOLD.call_once(|| {
+                    tracing::warn!(
+                        %error,
+                        slot = self.slot,
+                        "could not end the walsender of a decoder that stopped beating (it needs the holder's role or pg_signal_backend); waiting for its wal_sender_timeout"
+                    );
+                });
+                false
+            }
+        }
+    }
+
+    /// Where the slot says its consumer confirmed up to (0: not known).
+    async fn confirmed(&self) -> u64 {
+        sqlx::query_scalar::<_, Option<i64>>(
+            "select (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint
+             from pg_replication_slots where slot_name = $1",
+        )
+        .bind(&self.slot)
+        .fetch_optional(&self.pool)
+        .await
+        .ok()
+        .flatten()
+        .flatten()
+        .map_or(0, |lsn| u64::try_from(lsn).unwrap_or(0))
     }
 
     /// Marks a gap (see `Keys::feed_gap`); a gap marked already keeps its
@@ -338,8 +415,13 @@ impl Candidate {
     /// Holds the slot and decodes until the session ends (an error);
     /// `decoded` says whether it held it.
     async fn hold(&self, decoded: &mut bool) -> anyhow::Result<()> {
+        let id = rand::rng().random_range(1..u64::MAX);
+        let name = format!("postcache-decoder-{id:016x}");
+        let resume = self.resume_at().await;
         let config = replication_config(&self.database.database_url, &self.slot)?
-            .with_start_lsn(pgwire_replication::Lsn(self.resume_at().await));
+            .with_start_lsn(pgwire_replication::Lsn(resume))
+            .with_application_name(name.as_str())
+            .with_options(session_options(&self.database, self.timeout));
         let mut client = ReplicationClient::connect(config).await?;
         let limit = self.database.db_acquire_timeout + self.database.db_statement_timeout;
         match tokio::time::timeout(limit, client.wait_started()).await {
@@ -353,10 +435,32 @@ impl Candidate {
         metrics::decoder_held(true);
         *decoded = true;
         let _held = scopeguard(|| metrics::decoder_held(false));
+        // The session's prober (liveness.rs), on the decoder's own
+        // connections, for as long as it holds the slot.
+        let (probes, probed) = tokio::sync::watch::channel(None);
+        let nudge = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let prober = liveness::Prober {
+            pool: self.visibility.clone(),
+            session: name,
+            timeout: self.timeout / 4,
+            nudge: nudge.clone(),
+            probes,
+        };
+        let _prober = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(prober.run()));
+        let now = Instant::now();
+        let mut session = liveness::Session {
+            id,
+            probes: probed,
+            nudge,
+            judge: liveness::Judge::new(self.timeout, now),
+            judged: now,
+        };
+        // Everything before where the stream starts was applied.
+        let start = pgwire_replication::Lsn(resume.max(self.confirmed().await));
         // Before any change is applied: the raise covers what the slot
         // does not have, and the changes it has are applied after it.
         let result = match self.close_gap().await {
-            Ok(()) => self.decode(&mut client).await,
+            Ok(()) => self.decode(&mut client, &mut session, start).await,
             Err(error) => Err(error.context("could not close the change feed's gap")),
         };
         client.abort();

@@ -180,6 +180,16 @@ pub fn decoder_held(held: bool) {
     gauge!(DECODER_HELD).set(if held { 1.0 } else { 0.0 });
 }
 
+/// This instance's decoder gave up the slot (see `DECODER_GAVE_UP`).
+pub fn decoder_gave_up() {
+    counter!(DECODER_GAVE_UP).increment(1);
+}
+
+/// This instance ended a silent decoder's walsender to take the slot.
+pub fn decoder_taken_over() {
+    counter!(DECODER_TAKEOVERS).increment(1);
+}
+
 /// A gap in the change feed (the slot missing or invalidated), closed by a
 /// raise of the cutoff.
 pub fn feed_gap(why: &'static str) {

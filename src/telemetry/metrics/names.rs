@@ -70,14 +70,22 @@ pub const FEED_RESTARTS: &str = "postcache_change_feed_restarts_total";
 /// CHANGE_FEED=replication: whether this instance holds the slot (1: it
 /// decodes for the fleet).
 pub const DECODER_HELD: &str = "postcache_change_feed_decoder";
+/// CHANGE_FEED=replication: times this instance's decoder gave up the slot
+/// because it could not vouch for its connection (PostgreSQL did not hear
+/// it, what was sent did not arrive, the primary could not be asked).
+pub const DECODER_GAVE_UP: &str = "postcache_change_feed_decoder_gave_up_total";
+/// CHANGE_FEED=replication: times this instance ended the walsender of a
+/// decoder that stopped beating, to take the slot.
+pub const DECODER_TAKEOVERS: &str = "postcache_change_feed_takeovers_total";
 /// Gaps in the change feed (the slot missing or invalidated), each closed
 /// by a raise of the cutoff, by why.
 pub const FEED_GAPS: &str = "postcache_change_feed_gaps_total";
 /// How much WAL the slot holds back: the server's end past what the fleet
 /// has applied, in bytes.
 pub const FEED_LAG_BYTES: &str = "postcache_change_feed_lag_bytes";
-/// Seconds since the fleet's decoder last said it keeps up (about 0.5
-/// while it does; it grows while no decoder runs).
+/// How stale this instance may be: seconds since the commits the fleet's
+/// decoder last proved applied were visible (a tenth or two while it keeps
+/// up; it grows while the decoder is behind, or none runs).
 pub const FEED_LAG_SECONDS: &str = "postcache_change_feed_lag_seconds";
 
 /// The memory tier: bytes kept (envelopes plus a fixed overhead per entry,
@@ -167,6 +175,8 @@ pub const ALL: &[&str] = &[
     CHANGES_SKIPPED,
     FEED_RESTARTS,
     DECODER_HELD,
+    DECODER_GAVE_UP,
+    DECODER_TAKEOVERS,
     FEED_GAPS,
     FEED_LAG_BYTES,
     FEED_LAG_SECONDS,
@@ -312,6 +322,14 @@ pub(super) fn describe() {
         "Whether this instance holds the replication slot and decodes for the fleet."
     );
     describe_counter!(
+        DECODER_GAVE_UP,
+        "Times this instance's decoder gave up the slot: it could not vouch for its replication connection."
+    );
+    describe_counter!(
+        DECODER_TAKEOVERS,
+        "Times this instance ended the walsender of a decoder that stopped beating, to take the slot."
+    );
+    describe_counter!(
         FEED_GAPS,
         "Gaps in the change feed (slot missing or invalidated), each a raise of the cutoff."
     );
@@ -323,7 +341,7 @@ pub(super) fn describe() {
     describe_gauge!(
         FEED_LAG_SECONDS,
         Unit::Seconds,
-        "Seconds since the fleet's decoder last said it keeps up."
+        "Seconds since the commits the fleet's decoder last proved applied were visible: how stale this instance may be."
     );
     describe_counter!(
         CONNECTIONS_REFUSED,
