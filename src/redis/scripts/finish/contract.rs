@@ -311,6 +311,32 @@ async fn a_failure_keeps_a_fresh_entry_else_serves_the_copy_as_backoff_else_a_ma
     clean(&client, &prefix).await;
 }
 
+/// A leader that reloads a kept copy holds the lock key; the copy expires
+/// meanwhile and another leader claims the value key. The first one's
+/// load fails: its failure must not replace that claim (every reader would
+/// get 503 for FAILURE_TTL though the other load succeeds), nor be
+/// published to the other leader's waiters. (Seen before: the marker was
+/// stored over the claim.)
+#[tokio::test]
+async fn a_failure_never_replaces_another_leaders_claim() {
+    let (client, prefix) = redis().await;
+    let keys = Names::new(&prefix, "post").item(9);
+    let failed = Entry::new(Status::Failed, &[], Duration::ZERO, Duration::ZERO);
+    put(&client, &keys.lock, "ours").await;
+    let theirs = crate::cache::claim_of("theirs");
+    put(&client, &keys.value, theirs.as_str()).await;
+
+    let (reply, message) = run_heard(&client, &finish(&keys, &failed, "")).await;
+
+    assert_eq!(message, None, "nothing published to the other's waiters");
+    assert!(reply.released);
+    let value: Option<String> = client.get(&keys.value).await.unwrap();
+    assert_eq!(value.as_deref(), Some(theirs.as_str()), "their claim stays");
+    let lock: Option<String> = client.get(&keys.lock).await.unwrap();
+    assert_eq!(lock, None);
+    clean(&client, &prefix).await;
+}
+
 #[tokio::test]
 async fn a_not_found_entry_over_a_copy_is_kept_as_the_tombstone() {
     let (client, prefix) = redis().await;

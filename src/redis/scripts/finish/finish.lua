@@ -80,8 +80,13 @@ local function finish_one(K, A)
   -- The entry there now: needed unless this leader holds the lock and
   -- stores a found entry or a marker (it then writes whatever is there).
   local current = nil
+  -- Another leader's claim in the value key (cache/entry.rs: its first
+  -- byte is a NUL, never a version): its copy expired and it loads now.
+  local claimed = false
   if not ours or status(entry) == $FAILED or status(entry) == $NOT_FOUND then
     current = redis.call('GET', K.value)
+    claimed = not in_value and current ~= false and current ~= nil
+      and string.byte(current, 1) == 0
     if not valid(current) then current = nil end
   end
   local may_write = ours or (not holder and (not current or u64(current, $STORED_AT) <= u64(entry, $STORED_AT)))
@@ -90,6 +95,11 @@ local function finish_one(K, A)
   local now = tonumber(A.now)
   if not may_write then
     if current then payload = current else publish = false end
+  elseif status(entry) == $FAILED and claimed then
+    -- A failure over that claim would make every reader fail for
+    -- FAILURE_TTL though its load may succeed: nothing is stored, and the
+    -- waiters hear that leader's finish, not this failure.
+    publish = false
   elseif status(entry) == $FAILED then
     if current and status(current) ~= $FAILED and not has(current, $INVALIDATED)
         and u64(current, $FRESH_UNTIL) > now and read_at(current) >= tonumber(A.cutoff) then
