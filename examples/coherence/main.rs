@@ -281,6 +281,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     );
     let history = history.lock().unwrap();
     let unmet = history::check_positions(&history, &position_reads);
+    let said_unmet = history::check_said_positions(&history, &reads);
     let bounds = Bounds {
         normal: args.bound,
         converge: args.converge,
@@ -303,6 +304,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             reads: &position_reads,
             unmet: &unmet,
         }),
+        said_unmet: &said_unmet,
+        bounds,
     };
     let text = report.render();
     println!("{text}");

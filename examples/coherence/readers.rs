@@ -5,7 +5,6 @@
 //! each serves the last version written.
 
 use std::{
-    collections::BTreeMap,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc, Mutex,
@@ -17,7 +16,7 @@ use futures::{stream, StreamExt};
 use postcache::{
     http::position::format_lsn,
     testkit::{
-        history::{Garble, History, PositionRead, Read, Seen, Served},
+        history::{Garble, History, PositionRead, Read, Seen, Served, Unjudged},
         Zipf,
     },
 };
@@ -30,23 +29,25 @@ use crate::{
     Clock,
 };
 
-/// Requests that got no judgeable answer, by why.
+/// Requests that got no judgeable answer: when, where and why.
 #[derive(Debug, Default)]
-pub struct Errors(pub BTreeMap<String, u64>);
+pub struct Errors(pub Vec<Unjudged>);
 
 impl Errors {
-    fn count(&mut self, why: impl Into<String>) {
-        *self.0.entry(why.into()).or_default() += 1;
+    fn count(&mut self, at: Duration, target: &Target, why: impl Into<String>) {
+        self.0.push(Unjudged {
+            at,
+            instance: target.index,
+            class: why.into(),
+        });
     }
 
     pub fn merge(&mut self, other: Errors) {
-        for (why, n) in other.0 {
-            *self.0.entry(why).or_default() += n;
-        }
+        self.0.extend(other.0);
     }
 
     pub fn total(&self) -> u64 {
-        self.0.values().sum()
+        self.0.len() as u64
     }
 }
 
@@ -188,7 +189,15 @@ impl Reader {
                 let mut ids: Vec<i64> = (0..n).map(|_| self.zipf.sample(&mut self.rng)).collect();
                 ids.sort_unstable();
                 ids.dedup();
-                read_batch(target, &ids, self.clock, &mut reads, &mut errors).await;
+                // With read your writes, half the batches carry a position
+                // too (the latest written).
+                let min_lsn = self
+                    .ryw
+                    .as_ref()
+                    .filter(|_| self.rng.random_bool(0.5))
+                    .map(|ryw| ryw.latest.load(Ordering::SeqCst))
+                    .filter(|&lsn| lsn > 0);
+                read_batch(target, &ids, min_lsn, self.clock, &mut reads, &mut errors).await;
             } else if let Some(ryw) = self.ryw.clone().filter(|_| self.rng.random_bool(0.5)) {
                 let id = self.zipf.sample(&mut self.rng);
                 let min_lsn = if self.rng.random_bool(0.5) {
@@ -214,30 +223,31 @@ impl Reader {
     }
 }
 
-/// A response, with the process that answered it; `None` (counted) when
-/// none came, or when the instance was restarted meanwhile (which process
-/// answered is then unknown).
-async fn get(
-    target: &Target,
-    path: &str,
-    clock: Clock,
-    errors: &mut Errors,
-) -> Option<(u16, Served, bytes::Bytes, u16, Duration, Duration)> {
-    let (status, served, bytes, incarnation, began, ended, _) =
-        get_with(target, path, None, clock, errors).await?;
-    Some((status, served, bytes, incarnation, began, ended))
+/// One response, as the readers judge it.
+struct Answered {
+    status: u16,
+    served: Served,
+    bytes: bytes::Bytes,
+    incarnation: u16,
+    began: Duration,
+    ended: Duration,
+    /// It went past the cache (`Cache-Status: …detail=position`).
+    past: bool,
+    /// Its `PostCache-LSN` (0: none).
+    lsn: u64,
 }
 
-/// As [`get`], asking for every commit up to `min_lsn` when given; also
-/// says whether the answer went past the cache.
-#[allow(clippy::type_complexity)]
+/// A response, with the process that answered it, asking for every commit
+/// up to `min_lsn` when given; `None` (counted) when none came, or when the
+/// instance was restarted meanwhile (which process answered is then
+/// unknown).
 async fn get_with(
     target: &Target,
     path: &str,
     min_lsn: Option<u64>,
     clock: Clock,
     errors: &mut Errors,
-) -> Option<(u16, Served, bytes::Bytes, u16, Duration, Duration, bool)> {
+) -> Option<Answered> {
     let incarnation = target.incarnation.load(Ordering::SeqCst);
     let began = clock.now();
     let mut request = target.client.get(format!("{}{path}", target.base));
@@ -247,11 +257,15 @@ async fn get_with(
     let response = match request.send().await {
         Ok(response) => response,
         Err(error) => {
-            errors.count(if error.is_timeout() {
-                "no answer within 10 s"
-            } else {
-                "connection failed"
-            });
+            errors.count(
+                began,
+                target,
+                if error.is_timeout() {
+                    "no answer within 10 s"
+                } else {
+                    "connection failed"
+                },
+            );
             return None;
         }
     };
@@ -268,23 +282,37 @@ async fn get_with(
         header("x-cache-tier").as_deref(),
     );
     let past = header("cache-status").is_some_and(|s| s.ends_with("detail=position"));
+    let lsn = header("postcache-lsn")
+        .as_deref()
+        .and_then(postcache::http::position::parse_lsn)
+        .unwrap_or(0);
     let Ok(bytes) = response.bytes().await else {
-        errors.count("answer cut");
+        errors.count(began, target, "answer cut");
         return None;
     };
     let ended = clock.now();
     if target.incarnation.load(Ordering::SeqCst) != incarnation {
-        errors.count("instance restarted during the read");
+        errors.count(began, target, "instance restarted during the read");
         return None;
     }
     if status == 400 && min_lsn.is_some() {
-        errors.count(format!(
-            "400 for a position: {}",
-            String::from_utf8_lossy(&bytes)
-        ));
+        errors.count(
+            began,
+            target,
+            format!("400 for a position: {}", String::from_utf8_lossy(&bytes)),
+        );
         return None;
     }
-    Some((status, served, bytes, incarnation, began, ended, past))
+    Some(Answered {
+        status,
+        served,
+        bytes,
+        incarnation,
+        began,
+        ended,
+        past,
+        lsn,
+    })
 }
 
 async fn read_one(target: &Target, id: i64, clock: Clock, errors: &mut Errors) -> Option<Read> {
@@ -302,16 +330,15 @@ pub async fn read_one_at(
     clock: Clock,
     errors: &mut Errors,
 ) -> Option<(Read, bool)> {
-    let (status, served, bytes, incarnation, began, ended, past) =
-        get_with(target, &format!("/posts/{id}"), min_lsn, clock, errors).await?;
-    let seen = match status {
-        200 => match serde_json::from_slice(&bytes) {
+    let a = get_with(target, &format!("/posts/{id}"), min_lsn, clock, errors).await?;
+    let seen = match a.status {
+        200 => match serde_json::from_slice(&a.bytes) {
             Ok(json) => seen(id, &json),
             Err(_) => Seen::Garbled(Garble::Unreadable),
         },
         404 => Seen::Missing,
         other => {
-            errors.count(format!("status {other}"));
+            errors.count(a.began, target, format!("status {other}"));
             return None;
         }
     };
@@ -319,54 +346,69 @@ pub async fn read_one_at(
         Read {
             post: id,
             instance: target.index,
-            incarnation,
-            began,
-            ended,
+            incarnation: a.incarnation,
+            began: a.began,
+            ended: a.ended,
             seen,
-            served,
+            served: a.served,
             batch: false,
+            lsn: a.lsn,
         },
-        past,
+        a.past,
     ))
 }
 
+/// Reads `ids` in one batch, asking for every commit up to `min_lsn` when
+/// given: a read per post, each with the batch's times and position.
 async fn read_batch(
     target: &Target,
     ids: &[i64],
+    min_lsn: Option<u64>,
     clock: Clock,
     reads: &mut Vec<Read>,
     errors: &mut Errors,
 ) {
     let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
-    let Some((status, _, bytes, incarnation, began, ended)) =
-        get(target, &format!("/posts?ids={list}"), clock, errors).await
+    let Some(a) = get_with(
+        target,
+        &format!("/posts?ids={list}"),
+        min_lsn,
+        clock,
+        errors,
+    )
+    .await
     else {
         return;
     };
-    if status != 200 {
-        errors.count(format!("batch status {status}"));
+    if a.status != 200 {
+        errors.count(a.began, target, format!("batch status {}", a.status));
         return;
     }
-    let Ok(json) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
-        errors.count("batch body unreadable");
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(&a.bytes) else {
+        errors.count(a.began, target, "batch body unreadable");
         return;
     };
     let read = |post: i64, seen: Seen| Read {
         post,
         instance: target.index,
-        incarnation,
-        began,
-        ended,
+        incarnation: a.incarnation,
+        began: a.began,
+        ended: a.ended,
         seen,
-        served: Served::Other,
+        served: if a.past {
+            Served::Bypass
+        } else {
+            Served::Other
+        },
         batch: true,
+        lsn: a.lsn,
     };
     for post in json["posts"].as_array().into_iter().flatten() {
         let id = post["id"].as_i64().unwrap_or(0);
         if ids.contains(&id) {
             reads.push(read(id, seen(id, post)));
         } else {
-            errors.count("batch answered a post not asked for");
+            errors.count(a.began, target, "batch answered a post not asked for");
         }
     }
     for id in json["not_found"].as_array().into_iter().flatten() {
@@ -375,7 +417,7 @@ async fn read_batch(
         }
     }
     for _ in json["unavailable"].as_array().into_iter().flatten() {
-        errors.count("unavailable in a batch");
+        errors.count(a.began, target, "unavailable in a batch");
     }
 }
 

@@ -6,7 +6,10 @@ use std::{collections::BTreeMap, fmt::Write as _, path::PathBuf, time::Duration}
 use postcache::{
     http::position::format_lsn,
     testkit::{
-        history::{explain, History, PositionRead, Problem, Read, Unmet, Verdict, Window},
+        history::{
+            explain, tally_unjudged, Bounds, History, PositionRead, Problem, Read, UnjudgedTally,
+            Unmet, Verdict, Window,
+        },
         quantile,
     },
 };
@@ -29,7 +32,14 @@ pub struct Report<'a> {
     /// `--read-your-writes`: the reads that carried a position, and those
     /// that returned a version older than one they were owed.
     pub positions: Option<Positions<'a>>,
+    /// Answers whose `PostCache-LSN` named a version they do not reflect.
+    pub said_unmet: &'a [PositionRead],
+    pub bounds: Bounds,
 }
+
+/// Unjudged answers outside fault windows above this share of the reads
+/// there fail the run.
+const UNJUDGED_SHARE: f64 = 0.001;
 
 pub struct Positions<'a> {
     pub reads: &'a [PositionRead],
@@ -58,6 +68,11 @@ impl Report<'_> {
             .map(|at| at.saturating_sub(self.last_commit()))
     }
 
+    /// The unjudged requests, inside and outside the fault windows.
+    fn unjudged(&self) -> UnjudgedTally {
+        tally_unjudged(&self.errors.0, self.windows, self.bounds)
+    }
+
     /// Why the run fails, if it does.
     pub fn failures(&self) -> Vec<String> {
         let v = self.verdict;
@@ -69,10 +84,27 @@ impl Report<'_> {
             (v.phantoms(), "phantoms"),
             (v.stale(), "reads staler than the bound in force"),
             (v.regressions(), "regressions"),
+            (
+                v.resurrections(),
+                "reads marked stale that served a deleted post",
+            ),
+            (
+                self.said_unmet.len(),
+                "answers whose PostCache-LSN named a version they do not reflect",
+            ),
         ] {
             if n > 0 {
                 why.push(format!("{n} {what}"));
             }
+        }
+        let unjudged = self.unjudged();
+        let outside = unjudged.outside_total();
+        let allowed = (v.normal_reads as f64 * UNJUDGED_SHARE).floor() as usize;
+        if outside > allowed {
+            why.push(format!(
+                "{outside} requests outside fault windows got no answer to judge (at most {allowed}: 0.1% of {} reads there)",
+                v.normal_reads
+            ));
         }
         match self.converged_after() {
             Some(after) if after <= self.args.converge => {}
@@ -257,7 +289,29 @@ impl Report<'_> {
             "- reads staler than the bound in force: {} ({outside} outside fault windows)",
             v.stale()
         );
-        let _ = writeln!(w, "- regressions: {}", v.regressions());
+        let _ = writeln!(
+            w,
+            "- regressions (every one a violation, in a fault window or not): {}",
+            v.regressions()
+        );
+        let _ = writeln!(
+            w,
+            "- reads marked stale that served a deleted post: {}",
+            v.resurrections()
+        );
+        let said = self.reads.iter().filter(|r| r.lsn != 0).count();
+        let _ = writeln!(
+            w,
+            "- answers that said a position (`PostCache-LSN`): {said}, of them naming a version they do not reflect: {}",
+            self.said_unmet.len()
+        );
+        let unjudged = self.unjudged();
+        let _ = writeln!(
+            w,
+            "- requests with no answer to judge: {} outside fault windows, {} inside",
+            unjudged.outside_total(),
+            unjudged.inside_total()
+        );
         let _ = writeln!(
             w,
             "- convergence: every instance served every post's last version {} after the last write ({} sweeps; bound {})",
@@ -296,7 +350,7 @@ impl Report<'_> {
 
         if !self.windows.is_empty() {
             let _ = writeln!(w, "\n## Faults\n");
-            let _ = writeln!(w, "| fault | times | reads in its windows | largest staleness | bound | stale past the normal bound after healing, until | regressions within the bound | stale past the normal bound, by X-Cache |");
+            let _ = writeln!(w, "| fault | times | reads in its windows | largest staleness | bound | stale past the normal bound after healing, until | regressions (violations) | stale past the normal bound, by X-Cache |");
             let _ = writeln!(w, "|---|---|---|---|---|---|---|---|");
             for kind in Kind::ALL {
                 let of: Vec<usize> = (0..self.windows.len())
@@ -366,7 +420,7 @@ impl Report<'_> {
         }
         let _ = writeln!(
             w,
-            "\nMarked stale (`X-Cache: stale`, judged for phantoms only): {} reads, {} of them older than the latest version.",
+            "\nMarked stale (`X-Cache: stale`, judged for phantoms and deleted posts only): {} reads, {} of them older than the latest version.",
             v.marked_stale, v.marked_stale_old
         );
 
@@ -378,10 +432,40 @@ impl Report<'_> {
         }
         if self.errors.total() > 0 {
             let _ = writeln!(w, "\n## Requests with no answer to judge\n");
-            let _ = writeln!(w, "| why | requests |");
-            let _ = writeln!(w, "|---|---|");
-            for (why, n) in &self.errors.0 {
-                let _ = writeln!(w, "| {why} | {n} |");
+            let _ = writeln!(w, "| why | outside fault windows | inside |");
+            let _ = writeln!(w, "|---|---|---|");
+            let classes: std::collections::BTreeSet<&String> = unjudged
+                .outside
+                .keys()
+                .chain(unjudged.inside.keys())
+                .collect();
+            for class in classes {
+                let _ = writeln!(
+                    w,
+                    "| {class} | {} | {} |",
+                    unjudged.outside.get(class).copied().unwrap_or(0),
+                    unjudged.inside.get(class).copied().unwrap_or(0)
+                );
+            }
+        }
+        if !self.said_unmet.is_empty() {
+            let _ = writeln!(
+                w,
+                "\n## Answers that named a position they do not reflect\n"
+            );
+            for p in self.said_unmet.iter().take(a.explain) {
+                let r = &p.read;
+                let _ = writeln!(
+                    w,
+                    "- post {} on instance {}, read {}–{}: saw {:?}, served {}, said {}",
+                    r.post,
+                    r.instance,
+                    ms(r.began),
+                    ms(r.ended),
+                    r.seen,
+                    r.served.as_str(),
+                    format_lsn(p.min_lsn)
+                );
             }
         }
         if !v.violations.is_empty() {
@@ -400,6 +484,7 @@ impl Report<'_> {
                     Problem::Regression { after } => {
                         ("regression".to_owned(), self.reads[after].served.as_str())
                     }
+                    Problem::Resurrected { .. } => ("a deleted post served stale".to_owned(), ""),
                 };
                 let window = x.window.map_or("", |w| self.windows[w].kind);
                 *kinds

@@ -18,10 +18,22 @@
 //!   version of the post than that one had. A 404 is then read both ways
 //!   in the reads' favour: as the oldest deletion the earlier read may have
 //!   served within the staleness bound, and the latest for the later one.
+//!   Every regression is a violation, under a fault as outside one;
+//! - **resurrection**: a read marked stale (below) that returned a version
+//!   of a post whose deletion had committed before the read began: a
+//!   deleted post is never served again, not even from a fail-safe copy;
+//! - **a position not reflected**: an answer whose `PostCache-LSN` names a
+//!   position at or past the one a writer read after committing a version
+//!   newer than the answer's.
 //!
 //! Reads the service marked stale (`X-Cache: stale`: a fail-safe copy
 //! while loads fail, or a stale-while-revalidate answer) say so to their
-//! client: they are counted apart and judged for phantoms only.
+//! client: they are counted apart, and judged for phantoms and
+//! resurrections only.
+//!
+//! Requests that got no answer to judge (a 5xx, a refused or cut
+//! connection) are [`Unjudged`]: counted by class, inside and outside the
+//! fault windows.
 
 use std::{collections::HashMap, fmt::Write as _, time::Duration};
 
@@ -159,6 +171,54 @@ pub struct Read {
     pub seen: Seen,
     pub served: Served,
     pub batch: bool,
+    /// The answer's `PostCache-LSN` (bytes from 0/0; 0: none).
+    pub lsn: u64,
+}
+
+/// A request that got no answer to judge: a 5xx, a 504, a refused or cut
+/// connection, an unreadable body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unjudged {
+    /// When the request began.
+    pub at: Duration,
+    pub instance: u8,
+    /// Why, in a few words (`status 503`, `connection failed`).
+    pub class: String,
+}
+
+/// The unjudged requests, inside and outside the fault windows, by class.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UnjudgedTally {
+    pub outside: std::collections::BTreeMap<String, usize>,
+    pub inside: std::collections::BTreeMap<String, usize>,
+}
+
+impl UnjudgedTally {
+    pub fn outside_total(&self) -> usize {
+        self.outside.values().sum()
+    }
+
+    pub fn inside_total(&self) -> usize {
+        self.inside.values().sum()
+    }
+}
+
+/// Counts `unjudged` inside and outside the windows (each window from its
+/// injection until it has healed and converged, as for the reads).
+pub fn tally_unjudged(unjudged: &[Unjudged], windows: &[Window], bounds: Bounds) -> UnjudgedTally {
+    let mut tally = UnjudgedTally::default();
+    for u in unjudged {
+        let inside = windows
+            .iter()
+            .any(|w| w.injected <= u.at && u.at <= w.healed + bounds.converge);
+        let side = if inside {
+            &mut tally.inside
+        } else {
+            &mut tally.outside
+        };
+        *side.entry(u.class.clone()).or_default() += 1;
+    }
+    tally
 }
 
 /// A read that asked for every commit up to a WAL position
@@ -183,6 +243,27 @@ pub struct Unmet {
     /// The newest version of the post whose position is at or before the
     /// read's.
     pub owed: u32,
+}
+
+/// Judges the answers that said a position (`PostCache-LSN`): each must
+/// reflect every version whose writer's position is at or before it (as
+/// [`check_positions`] judges the reads that asked for one). Returns the
+/// answers that did not, as position reads.
+pub fn check_said_positions(history: &History, reads: &[Read]) -> Vec<PositionRead> {
+    let said: Vec<PositionRead> = reads
+        .iter()
+        .filter(|read| read.lsn != 0)
+        .map(|read| PositionRead {
+            read: *read,
+            min_lsn: read.lsn,
+            by_writer: false,
+            past: false,
+        })
+        .collect();
+    check_positions(history, &said)
+        .into_iter()
+        .map(|unmet| said[unmet.read])
+        .collect()
 }
 
 /// Judges reads that asked for a position: each must return the newest
@@ -253,6 +334,11 @@ pub enum Problem {
     Regression {
         after: usize,
     },
+    /// Marked stale, a version of a post whose deletion (version
+    /// `deleted`) had committed before the read began.
+    Resurrected {
+        deleted: u32,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -283,7 +369,7 @@ pub struct WindowFigures {
     pub max_staleness: Duration,
     /// Reads staler than the normal bound, by how they were served.
     pub stale_by: std::collections::BTreeMap<Served, usize>,
-    /// Regressions within the window's bound: staleness the fault allows.
+    /// Regressions begun in the window (each a violation).
     pub regressions: usize,
     /// The last read begun after the heal that was staler than the normal
     /// bound: how long after the heal it began (zero: none).
@@ -320,6 +406,10 @@ impl Verdict {
 
     pub fn regressions(&self) -> usize {
         self.count(|p| matches!(p, Problem::Regression { .. }))
+    }
+
+    pub fn resurrections(&self) -> usize {
+        self.count(|p| matches!(p, Problem::Resurrected { .. }))
     }
 
     fn count(&self, which: impl Fn(&Problem) -> bool) -> usize {
@@ -406,7 +496,6 @@ pub fn check(history: &History, reads: &[Read], windows: &[Window], bounds: Boun
     // Each read's matched versions (the oldest and the latest it may have
     // returned), for the regressions.
     let mut index: Vec<Option<(usize, usize)>> = vec![None; reads.len()];
-    let mut stale_of: Vec<Duration> = vec![Duration::ZERO; reads.len()];
     for (r, read) in reads.iter().enumerate() {
         let versions = history.versions(read.post);
         let window = in_force(read.began);
@@ -428,6 +517,19 @@ pub fn check(history: &History, reads: &[Read], windows: &[Window], bounds: Boun
         if read.served == Served::Stale {
             verdict.marked_stale += 1;
             verdict.marked_stale_old += usize::from(stale > Duration::ZERO);
+            // Older, but never a deleted post's old body.
+            let deleted = versions[i + 1..]
+                .iter()
+                .find(|v| !v.exists && v.committed < read.began);
+            if let (Seen::Found(_), Some(deletion)) = (read.seen, deleted) {
+                verdict.violations.push(Violation {
+                    read: r,
+                    problem: Problem::Resurrected {
+                        deleted: deletion.seq,
+                    },
+                    window,
+                });
+            }
             continue;
         }
         let bound = match window {
@@ -452,7 +554,6 @@ pub fn check(history: &History, reads: &[Read], windows: &[Window], bounds: Boun
             }
         };
         index[r] = Some((earliest(versions, read.seen, read.began, i, bound), i));
-        stale_of[r] = stale;
         if stale > bound {
             verdict.violations.push(Violation {
                 read: r,
@@ -461,19 +562,7 @@ pub fn check(history: &History, reads: &[Read], windows: &[Window], bounds: Boun
             });
         }
     }
-    // A regression under a fault whose bound allows its staleness is that
-    // staleness: counted for the fault, not a violation.
-    let allowed = |r: usize| -> Option<usize> {
-        in_force(reads[r].began)
-            .filter(|&w| windows[w].bound > bounds.normal && stale_of[r] <= windows[w].bound)
-    };
-    regressions(
-        reads,
-        &index,
-        |r| in_force(reads[r].began),
-        allowed,
-        &mut verdict,
-    );
+    regressions(reads, &index, |r| in_force(reads[r].began), &mut verdict);
     verdict.violations.sort_by_key(|v| reads[v.read].began);
     let mut by_served: Vec<_> = served.into_iter().map(|(s, (n, o))| (s, n, o)).collect();
     by_served.sort();
@@ -489,7 +578,6 @@ fn regressions(
     reads: &[Read],
     index: &[Option<(usize, usize)>],
     in_force: impl Fn(usize) -> Option<usize>,
-    allowed: impl Fn(usize) -> Option<usize>,
     verdict: &mut Verdict,
 ) {
     let mut processes: HashMap<(u8, u16), Vec<usize>> = HashMap::new();
@@ -523,14 +611,14 @@ fn regressions(
             let (_, i) = index[r].expect("only matched reads");
             if let Some(&(before, after)) = newest.get(&reads[r].post) {
                 if i < before {
-                    if let Some(w) = allowed(r) {
+                    let window = in_force(r);
+                    if let Some(w) = window {
                         verdict.windows[w].regressions += 1;
-                        continue;
                     }
                     verdict.violations.push(Violation {
                         read: r,
                         problem: Problem::Regression { after },
-                        window: in_force(r),
+                        window,
                     });
                 }
             }
@@ -724,6 +812,7 @@ mod tests {
             seen,
             served: Served::Redis,
             batch: false,
+            lsn: 0,
         }
     }
 
@@ -874,14 +963,25 @@ mod tests {
     }
 
     #[test]
-    fn reads_marked_stale_are_counted_apart_and_judged_for_phantoms_only() {
+    fn reads_marked_stale_are_counted_apart_and_judged_for_phantoms_and_deletions() {
+        // v0 at 150, when v1 had committed (110): stale, allowed marked.
         let marked = Read {
             served: Served::Stale,
-            ..read(900, 901, Seen::Found(1))
+            ..read(150, 151, Seen::Found(0))
         };
         let verdict = check(&history(), &[marked], &[], BOUNDS);
         assert!(verdict.violations.is_empty());
         assert_eq!((verdict.marked_stale, verdict.marked_stale_old), (1, 1));
+        // v1 at 900: its deletion (v2) committed at 210, before the read:
+        // a deleted post's old body, marked stale or not.
+        let resurrected = Read {
+            served: Served::Stale,
+            ..read(900, 901, Seen::Found(1))
+        };
+        assert_eq!(
+            problems(&[resurrected], &[]),
+            [Problem::Resurrected { deleted: 2 }]
+        );
         let garbled = Read {
             seen: Seen::Found(9),
             ..marked
@@ -891,6 +991,69 @@ mod tests {
             problems(&[garbled], &[]),
             [Problem::Phantom(Phantom::NeverCommitted(9))]
         );
+    }
+
+    #[test]
+    fn a_regression_under_a_fault_is_a_violation_too() {
+        let windows = [Window {
+            kind: "redis paused",
+            what: String::new(),
+            injected: ms(100),
+            healed: ms(600),
+            bound: ms(3000),
+        }];
+        let newer = read(115, 120, Seen::Found(1));
+        let older = read(121, 125, Seen::Found(0));
+        let verdict = check(&history(), &[newer, older], &windows, BOUNDS);
+        assert_eq!(verdict.regressions(), 1, "{:?}", verdict.violations);
+        assert_eq!(verdict.windows[0].regressions, 1);
+    }
+
+    #[test]
+    fn an_answer_that_said_a_position_owes_what_committed_up_to_it() {
+        // v1's writer read 110,000 after its commit; v3's 310,000.
+        let said = |lsn: u64, seen: Seen| Read {
+            lsn,
+            ..read(400, 410, seen)
+        };
+        let reads = [
+            said(110_000, Seen::Found(1)),
+            said(110_000, Seen::Found(0)),
+            said(310_000, Seen::Found(3)),
+            said(320_000, Seen::Missing),
+            said(0, Seen::Found(0)),
+        ];
+        let unmet = check_said_positions(&history(), &reads);
+        let unmet: Vec<(u64, Seen)> = unmet.iter().map(|p| (p.min_lsn, p.read.seen)).collect();
+        assert_eq!(unmet, [(110_000, Seen::Found(0)), (320_000, Seen::Missing)]);
+    }
+
+    #[test]
+    fn unjudged_requests_are_told_apart_by_window_and_class() {
+        let windows = [Window {
+            kind: "redis paused",
+            what: String::new(),
+            injected: ms(100),
+            healed: ms(600),
+            bound: ms(3000),
+        }];
+        let at = |t: u64, class: &str| Unjudged {
+            at: ms(t),
+            instance: 0,
+            class: class.to_owned(),
+        };
+        let tally = tally_unjudged(
+            &[
+                at(50, "status 503"),
+                at(700, "status 503"),
+                at(1700, "connection failed"),
+            ],
+            &windows,
+            BOUNDS,
+        );
+        assert_eq!(tally.inside_total(), 1, "within the heal and convergence");
+        assert_eq!(tally.outside_total(), 2);
+        assert_eq!(tally.outside["status 503"], 1);
     }
 
     #[test]
