@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! offset  size  field
-//! 0       1     version (2)
+//! 0       1     version (3)
 //! 1       1     status: 0 found, 1 not found, 2 failed (messages and failure markers),
 //!               3 too large (a marker: the item is over MAX_ENTRY_BYTES, load it yourself)
 //! 2       1     flags: bit 0 BACKOFF, a stale copy re-served after a failed load;
@@ -16,7 +16,11 @@
 //! 23      8     ETag: xxh3-64 of the body
 //! 31      8     backoff_until, unix milliseconds: the end of a BACKOFF copy's
 //!               backoff (0 otherwise)
-//! 39      ..    body (found only)
+//! 39      8     upto: a WAL position the load's rows are no newer than (the
+//!               server's, read after the rows' snapshot; 0: not known), by
+//!               which a process keeps from serving an older version of an
+//!               item than one it served (`read_path/floor.rs`)
+//! 47      ..    body (found only)
 //! ```
 //!
 //! One value key holds an item's entry for its whole life, the fail-safe
@@ -29,10 +33,11 @@
 //! so the layout is written down once.
 //!
 //! Version 1 had no backoff_until and kept the fail-safe copy under a key of
-//! its own. During a rolling upgrade an instance reads the other version's
-//! entries and messages as absent (a miss) and replaces them: neither serves
-//! the other's entries, and a message it cannot read makes a waiter look
-//! again, so neither waits on the other past one look.
+//! its own; version 2 had no upto. During a rolling upgrade an instance
+//! reads the other version's entries and messages as absent (a miss) and
+//! replaces them: neither serves the other's entries, and a message it
+//! cannot read makes a waiter look again, so neither waits on the other
+//! past one look.
 //!
 //! While a leader loads an item nobody had stored (the key absent), the
 //! value key holds its claim instead of an entry: [`CLAIM_PREFIX`] and the
@@ -48,7 +53,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// The only envelope version this build writes and reads (byte 0).
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Offset of the status byte.
 pub const STATUS_AT: usize = 1;
 /// Offset of the flags byte.
@@ -67,8 +72,10 @@ pub const LOAD_AT: usize = 19;
 pub const ETAG_AT: usize = 23;
 /// Offset of backoff_until (u64, big endian).
 pub const BACKOFF_UNTIL_AT: usize = 31;
+/// Offset of upto (u64, big endian).
+pub const UPTO_AT: usize = 39;
 /// Bytes before the body.
-pub const HEADER_LEN: usize = 39;
+pub const HEADER_LEN: usize = 47;
 /// Flag: a stale copy stored after a failed load, served until
 /// backoff_until (the backoff), without triggering refreshes.
 pub const FLAG_BACKOFF: u8 = 1;
@@ -124,7 +131,8 @@ pub enum DecodeError {
 }
 
 /// A decoded envelope; cloning is cheap (the bytes are reference counted).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Two entries are equal when their envelopes are, whoever loaded them.
+#[derive(Debug, Clone)]
 pub struct Entry {
     status: Status,
     flags: u8,
@@ -132,9 +140,30 @@ pub struct Entry {
     fresh_until: u64,
     load_micros: u32,
     etag: u64,
-    backoff_until: u64,
     raw: Bytes,
+    /// When this process began the load that made it, in nanoseconds from
+    /// [`process_epoch`] plus one (0: it came from Redis or a message, or
+    /// was not loaded). Never stored. (backoff_until and upto are read from
+    /// `raw` when asked: a waiting request keeps its entries in its future.)
+    loaded_here: u64,
 }
+
+/// The instant this process's [`Entry::loaded_here`] counts from: the
+/// first call, which the read path makes when it is made, before any load
+/// begins (a load begun earlier would count as begun then).
+pub fn process_epoch() -> std::time::Instant {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(std::time::Instant::now)
+}
+
+impl PartialEq for Entry {
+    fn eq(&self, other: &Self) -> bool {
+        // Every field is read from the envelope.
+        self.raw == other.raw
+    }
+}
+
+impl Eq for Entry {}
 
 /// Milliseconds since the Unix epoch, the clock entries are stamped with.
 pub fn now_millis() -> u64 {
@@ -151,6 +180,25 @@ impl Entry {
         Self::stamped(status, body, stored_at, fresh_until, load_time)
     }
 
+    /// Builds an entry stamped now, fresh for `fresh_for`, for what this
+    /// process loaded in a read that began at `began` and whose rows are no
+    /// newer than WAL position `upto` (0: not known).
+    pub fn from_load(
+        status: Status,
+        body: &[u8],
+        fresh_for: Duration,
+        load_time: Duration,
+        began: std::time::Instant,
+        upto: u64,
+    ) -> Self {
+        let stored_at = now_millis();
+        let fresh_until = stored_at.saturating_add(fresh_for.as_millis() as u64);
+        let mut entry = Self::layout(status, body, stored_at, fresh_until, load_time, upto);
+        let since = began.saturating_duration_since(process_epoch());
+        entry.loaded_here = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX - 1) + 1;
+        entry
+    }
+
     /// Builds an entry with explicit timestamps (unix milliseconds).
     pub fn stamped(
         status: Status,
@@ -158,6 +206,17 @@ impl Entry {
         stored_at: u64,
         fresh_until: u64,
         load_time: Duration,
+    ) -> Self {
+        Self::layout(status, body, stored_at, fresh_until, load_time, 0)
+    }
+
+    fn layout(
+        status: Status,
+        body: &[u8],
+        stored_at: u64,
+        fresh_until: u64,
+        load_time: Duration,
+        upto: u64,
     ) -> Self {
         let load_micros = u32::try_from(load_time.as_micros()).unwrap_or(u32::MAX);
         let body = if status == Status::Found { body } else { &[] };
@@ -176,6 +235,7 @@ impl Entry {
         buf.put_u32(load_micros);
         buf.put_u64(etag);
         buf.put_u64(0);
+        buf.put_u64(upto);
         buf.put_slice(body);
         Self {
             status,
@@ -184,8 +244,8 @@ impl Entry {
             fresh_until,
             load_micros,
             etag,
-            backoff_until: 0,
             raw: buf.freeze(),
+            loaded_here: 0,
         }
     }
 
@@ -225,8 +285,8 @@ impl Entry {
             fresh_until: u64_at(FRESH_UNTIL_AT),
             load_micros: u32::from_be_bytes(load),
             etag: u64_at(ETAG_AT),
-            backoff_until: u64_at(BACKOFF_UNTIL_AT),
             raw,
+            loaded_here: 0,
         })
     }
 
@@ -274,7 +334,14 @@ impl Entry {
 
     /// The end of a backoff copy's backoff, unix milliseconds (0 otherwise).
     pub fn backoff_until(&self) -> u64 {
-        self.backoff_until
+        self.u64_at(BACKOFF_UNTIL_AT)
+    }
+
+    /// The u64 at `at` of the header (big endian).
+    fn u64_at(&self, at: usize) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&self.raw[at..at + 8]);
+        u64::from_be_bytes(b)
     }
 
     /// A change was applied after it was read: kept only as the fail-safe
@@ -292,7 +359,6 @@ impl Entry {
         raw[BACKOFF_UNTIL_AT..BACKOFF_UNTIL_AT + 8].copy_from_slice(&until.to_be_bytes());
         Self {
             flags: raw[FLAGS_AT],
-            backoff_until: until,
             raw: Bytes::from(raw),
             ..self.clone()
         }
@@ -321,6 +387,18 @@ impl Entry {
     /// A strong validator over the body, stable across instances and builds.
     pub fn etag(&self) -> u64 {
         self.etag
+    }
+
+    /// A WAL position the rows it was made from are no newer than (0: not
+    /// known; see the layout).
+    pub fn upto(&self) -> u64 {
+        self.u64_at(UPTO_AT)
+    }
+
+    /// When this process began the load that made it, if it did.
+    pub fn loaded_here(&self) -> Option<std::time::Instant> {
+        (self.loaded_here != 0)
+            .then(|| process_epoch() + std::time::Duration::from_nanos(self.loaded_here - 1))
     }
 
     /// How long the load that produced it took.
@@ -406,16 +484,52 @@ mod tests {
         assert!(!d.as_invalidated().is_backoff());
     }
 
-    /// An entry of version 1 (the layout with the fail-safe copy in a key of
-    /// its own) is not read: a rolling upgrade never serves it.
+    /// Entries of versions 1 (the layout with the fail-safe copy in a key
+    /// of its own) and 2 (no upto) are not read: a rolling upgrade never
+    /// serves them.
     #[test]
-    fn an_entry_of_the_previous_layout_is_not_read() {
+    fn an_entry_of_a_previous_layout_is_not_read() {
         let e = Entry::new(Status::Found, b"x", Duration::from_secs(1), Duration::ZERO);
         let mut v1 = e.raw().to_vec();
         v1[0] = 1;
         // Version 1's header: 31 bytes, the body after it.
-        v1.drain(31..39);
+        v1.drain(31..47);
         assert_eq!(Entry::decode(Bytes::from(v1)), Err(DecodeError::Version(1)));
+        let mut v2 = e.raw().to_vec();
+        v2[0] = 2;
+        v2.drain(39..47);
+        assert_eq!(Entry::decode(Bytes::from(v2)), Err(DecodeError::Version(2)));
+    }
+
+    #[test]
+    fn what_a_load_saw_up_to_is_stored_and_read_back() {
+        process_epoch();
+        let began = std::time::Instant::now();
+        let e = Entry::from_load(
+            Status::Found,
+            b"x",
+            Duration::from_secs(1),
+            Duration::ZERO,
+            began,
+            0x1_6B37_4D84,
+        );
+        assert_eq!(e.upto(), 0x1_6B37_4D84);
+        assert_eq!(e.loaded_here(), Some(began));
+        assert_eq!(e.body().as_ref(), b"x");
+        let d = Entry::decode(e.raw().clone()).unwrap();
+        assert_eq!(d.upto(), 0x1_6B37_4D84);
+        // Read back, it was not loaded here.
+        assert_eq!(d.loaded_here(), None);
+        assert_eq!(d, e);
+        let not_found = Entry::from_load(
+            Status::NotFound,
+            b"",
+            Duration::from_secs(1),
+            Duration::ZERO,
+            began,
+            7,
+        );
+        assert_eq!(Entry::decode(not_found.raw().clone()).unwrap().upto(), 7);
     }
 
     #[test]
@@ -423,17 +537,17 @@ mod tests {
         for raw in [
             &b""[..],
             b"{\"id\":1}",
-            b"\x02\x00short",
-            &[2u8; 38],
+            b"\x03\x00short",
+            &[3u8; 46],
             &{
-                let mut bad_status = [0u8; 39];
-                bad_status[..2].copy_from_slice(&[2, 9]);
+                let mut bad_status = [0u8; 47];
+                bad_status[..2].copy_from_slice(&[3, 9]);
                 bad_status
             },
             &{
-                let mut not_found_with_body = [0u8; 40];
-                not_found_with_body[..2].copy_from_slice(&[2, 1]);
-                not_found_with_body[39] = b'x';
+                let mut not_found_with_body = [0u8; 48];
+                not_found_with_body[..2].copy_from_slice(&[3, 1]);
+                not_found_with_body[47] = b'x';
                 not_found_with_body
             },
         ] {

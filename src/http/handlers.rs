@@ -200,9 +200,9 @@ pub async fn read_post_wanted(
                 from_cache(waited);
                 return answered(state, read, &validators, started, at);
             }
-            read_past(state, &[id.get()], wanted).await
+            Box::pin(read_past(state, &[id.get()], wanted)).await
         }
-        Route::Past => read_past(state, &[id.get()], wanted).await,
+        Route::Past => Box::pin(read_past(state, &[id.get()], wanted)).await,
     };
     match past {
         Ok((mut answers, at)) => {
@@ -278,9 +278,17 @@ pub(super) async fn read_past(
     let started = Instant::now();
     let visible = state.feed.beats().position_at(started);
     let min = wanted.min_lsn.unwrap_or(0);
+    // No older than what this process served of them (a replica must have
+    // replayed that far: see read_path/floor.rs).
+    let floor = ids
+        .iter()
+        .map(|id| state.read_path.floor_of(id))
+        .max()
+        .unwrap_or(0);
+    let at_least = Some(min.max(floor)).filter(|&at| at > 0);
     let read = state
         .store
-        .read_at_least(ids, wanted.min_lsn)
+        .read_at_least(ids, at_least)
         .await
         .map_err(|error| {
             if matches!(error, sqlx::Error::PoolTimedOut) {
@@ -307,13 +315,31 @@ pub(super) async fn read_past(
                         tracing::warn!(%error, id, "a post read past the cache does not encode");
                         ApiError::Unavailable
                     })?;
-                    Entry::new(Status::Found, &body, Duration::ZERO, took)
+                    Entry::from_load(
+                        Status::Found,
+                        &body,
+                        Duration::ZERO,
+                        took,
+                        started,
+                        read.upto,
+                    )
                 }
-                None => Entry::new(Status::NotFound, b"", Duration::ZERO, took),
+                None => Entry::from_load(
+                    Status::NotFound,
+                    b"",
+                    Duration::ZERO,
+                    took,
+                    started,
+                    read.upto,
+                ),
             };
             Answer::new(entry, Served::Bypass).map_err(ApiError::from)
         })
         .collect::<Result<Vec<_>, _>>()?;
+    // What this process serves of them from now on is no older.
+    for (id, answer) in ids.iter().zip(&answers) {
+        state.read_path.served_past(id, answer);
+    }
     let at = if read.replica {
         Some(read.position)
     } else {

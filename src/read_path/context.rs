@@ -15,6 +15,7 @@ use tokio_util::task::TaskTracker;
 
 use super::{
     answer::{Answer, Served},
+    floor::Floors,
     load::Loader,
     memory::{MemoryTier, Ticket},
     settings::Settings,
@@ -40,6 +41,8 @@ pub(super) struct Context<S: Source> {
     pub memory: MemoryTier<S::Key>,
     /// Claims won at first looks, for the keys' flights (won.rs).
     pub won: Arc<WonClaims<S::Key>>,
+    /// What this process must serve no older than (floor.rs).
+    pub floors: Floors<S::Key>,
     /// The cutoff in force here, unix milliseconds: every entry read before
     /// it is invalid (`invalidate --all`; see `apply.rs`). Only ever raised.
     cutoff: AtomicU64,
@@ -63,6 +66,7 @@ impl<S: Source> Context<S> {
             tasks: TaskTracker::new(),
             memory,
             won: Arc::default(),
+            floors: Floors::default(),
             cutoff: AtomicU64::new(0),
         }
     }
@@ -86,7 +90,15 @@ impl<S: Source> Context<S> {
             answer.served,
             Served::Miss | Served::CoalescedRemote | Served::Hit
         ) {
-            self.memory.fill(key, answer.entry(), ticket, now_millis());
+            self.fill_memory(key, answer.entry(), ticket);
+        }
+    }
+
+    /// Keeps `entry` in the memory tier unless the item's floor is another
+    /// version (floor.rs).
+    pub fn fill_memory(&self, key: &S::Key, entry: &crate::cache::Entry, ticket: &Ticket) {
+        if self.floors.allows_fill(key, entry) {
+            self.memory.fill(key, entry, ticket, now_millis());
         }
     }
 }

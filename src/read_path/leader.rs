@@ -222,6 +222,9 @@ impl<'a, S: Source> Leader<'a, S> {
     /// must include (a replica that has not replayed it is not read).
     async fn load(&self, since: Since) -> Result<Entry, Busy> {
         let ctx = self.ctx;
+        // No older than what this process served (floor.rs): a replica
+        // must have replayed that far too.
+        let since = since.max(Since(ctx.floors.upto(self.key)));
         let load = ctx.loader.entry(self.key, since);
         tokio::pin!(load);
         let lock_ttl = ctx.settings.lock_ttl;

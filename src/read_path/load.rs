@@ -12,6 +12,7 @@ use std::{
 use super::{
     answer::Outcome,
     batch::{Batches, Expected},
+    source::Loaded,
     Answer, Busy, Served, Settings, Since, Source,
 };
 use crate::{
@@ -152,17 +153,20 @@ impl<S: Source> Loader<S> {
         tracing::Span::current().record("load_ms", took_ms);
         let jitter = self.jitter;
         Ok(match loaded {
-            Ok(Some(body)) => {
+            Ok(Loaded {
+                body: Some(body),
+                upto,
+            }) => {
                 metrics::db_load("found", took);
                 tracing::debug!(%key, took_ms, "loaded");
                 let ttl = jitter.apply(self.cache_ttl);
-                Entry::new(Status::Found, &body, ttl, took)
+                Entry::from_load(Status::Found, &body, ttl, took, started, upto)
             }
-            Ok(None) => {
+            Ok(Loaded { body: None, upto }) => {
                 metrics::db_load("not_found", took);
                 tracing::debug!(%key, took_ms, "loaded: not found");
                 let ttl = jitter.apply(self.negative_ttl);
-                Entry::new(Status::NotFound, &[], ttl, took)
+                Entry::from_load(Status::NotFound, &[], ttl, took, started, upto)
             }
             Err(error) if error.is::<Busy>() => {
                 metrics::shed("db_pool");

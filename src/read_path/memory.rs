@@ -237,6 +237,19 @@ impl<K: Eq + Hash + Clone> MemoryTier<K> {
         }
     }
 
+    /// Keeps nothing of `key` but the version `etag` (its floor: see
+    /// floor.rs), and refuses the fills of it begun before now.
+    pub fn keep_only(&self, key: &K, etag: u64) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        match cache.peek(key) {
+            Some(kept) if kept.entry.etag() == etag => {}
+            // A front may still hold a copy the table has dropped.
+            _ => self.evict(key),
+        }
+    }
+
     /// Forgets `key`, and refuses the fills of it begun before now (the
     /// fills' generation is bumped before the removal, the fronts' after it).
     pub fn evict(&self, key: &K) {

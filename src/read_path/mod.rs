@@ -62,6 +62,7 @@ mod batch;
 mod context;
 pub mod existence;
 mod first_look;
+mod floor;
 mod freshness;
 mod lab;
 mod leader;
@@ -96,7 +97,7 @@ pub use progress::LoadProgress;
 pub use settings::{fence_ttl, Settings, Strategy, Wake};
 #[cfg(feature = "testkit")]
 pub use settings::{Hook, Hooks};
-pub use source::{Busy, LoadError, Since, Source};
+pub use source::{Busy, LoadError, Loaded, LoadedMany, Since, Source};
 
 use answer::Outcome;
 use context::Context;
@@ -131,6 +132,8 @@ struct Looked {
 /// (see memory.rs), and the claim the look won, if it did (see won.rs).
 struct LookOutcome<S: Source> {
     now: u64,
+    /// The change feed's position before the look (floor.rs).
+    looked_at: u64,
     verdict: Verdict,
     looked: Looked,
     ticket: memory::Ticket,
@@ -186,6 +189,8 @@ impl<S: Source> ReadPath<S> {
         settings: Settings,
     ) -> Arc<Self> {
         panics::install_hook();
+        // What entries loaded here count their loads' start from.
+        crate::cache::entry::process_epoch();
         let memory = MemoryTier::new(settings.memory_bytes, settings.memory_ttl);
         let loader = Loader::new(source, &settings);
         let ctx = Arc::new(Context::new(
@@ -326,6 +331,7 @@ impl<S: Source> ReadPath<S> {
         }
         let _in_progress = InProgress::enter(&self.reads_in_progress);
         let now = now_millis();
+        let looked_at = self.ctx.floors.position();
         let mut answers: Vec<Option<Result<Answer, ReadError>>> =
             keys.iter().map(|key| self.from_memory(key, now)).collect();
         let rest: Vec<usize> = (0..keys.len())
@@ -356,6 +362,7 @@ impl<S: Source> ReadPath<S> {
                         .then(|| self.ctx.loader.expect(&key));
                     let look = LookOutcome {
                         now,
+                        looked_at,
                         verdict,
                         looked,
                         ticket,
@@ -376,6 +383,30 @@ impl<S: Source> ReadPath<S> {
             .into_iter()
             .map(|answer| answer.unwrap_or(Err(ReadError::Unavailable)))
             .collect()
+    }
+
+    // Never back in time (floor.rs).
+
+    /// The change feed has applied every change up to WAL position
+    /// `position` to Redis and this process's memory tier (0: no position is
+    /// known any more): the floors it passes lapse.
+    pub fn feed_position(&self, position: u64) {
+        self.ctx.floors.advance(position);
+    }
+
+    /// `answer` was served for `key` past the cache (a read that asked for
+    /// a position or a staleness bound): nothing older is served here from
+    /// now on.
+    pub fn served_past(&self, key: &S::Key, answer: &Answer) {
+        if self.ctx.floors.raise(key, answer.entry(), true) {
+            self.ctx.memory.keep_only(key, answer.entry().etag());
+        }
+    }
+
+    /// The WAL position a read of `key` past the cache must read at least,
+    /// so as to be no older than what this process served (0: none).
+    pub fn floor_of(&self, key: &S::Key) -> u64 {
+        self.ctx.floors.upto(key)
     }
 
     // Changes applied (apply.rs): what the change feed and `invalidate` call.
@@ -562,6 +593,7 @@ impl<S: Source> ReadPath<S> {
     async fn get_from_redis(self: &Arc<Self>, key: S::Key, now: u64) -> Result<Answer, ReadError> {
         let grace = self.ctx.settings.stale_while_revalidate;
         let ticket = self.ctx.memory.ticket(&key);
+        let looked_at = self.ctx.floors.position();
         let warm = self.warm.holds(&key);
         let plain = warm || self.ctx.loader.source().reads_copies() || self.known_missing(&key);
         let (verdict, looked, won) = if plain {
@@ -575,6 +607,7 @@ impl<S: Source> ReadPath<S> {
         };
         let look = LookOutcome {
             now,
+            looked_at,
             verdict,
             looked,
             ticket,
@@ -622,6 +655,14 @@ impl<S: Source> ReadPath<S> {
     ) -> Result<Answer, ReadError> {
         let answer = self.answer_after_look_up(key.clone(), look).await;
         if let Ok(answer) = &answer {
+            // What this process serves from now on is no older (answers
+            // marked stale say they are).
+            if answer.served != Served::Stale {
+                let forced = matches!(answer.served, Served::Bypass | Served::TooLarge);
+                if self.ctx.floors.raise(&key, answer.entry(), forced) {
+                    self.ctx.memory.keep_only(&key, answer.entry().etag());
+                }
+            }
             // What this process serves from now on is no older.
             self.ctx.memory.supersede(&key, answer.entry());
             if matches!(
@@ -643,6 +684,13 @@ impl<S: Source> ReadPath<S> {
         answer
     }
 
+    /// Whether `answer` may be served for `key`, looked up at feed position
+    /// `looked_at`: never older than this process served (floor.rs).
+    /// Answers marked stale say they are.
+    fn admitted(&self, key: &S::Key, answer: &Answer, looked_at: u64) -> bool {
+        answer.served == Served::Stale || self.ctx.floors.admits(key, answer.entry(), looked_at)
+    }
+
     async fn answer_after_look_up(
         self: &Arc<Self>,
         key: S::Key,
@@ -650,21 +698,30 @@ impl<S: Source> ReadPath<S> {
     ) -> Result<Answer, ReadError> {
         let LookOutcome {
             now,
+            looked_at,
             verdict,
             looked,
             ticket,
             won,
         } = look;
         let span = tracing::Span::current();
+        // What was found is older than a version this process served
+        // (floor.rs): a miss, loaded from the primary by this process's
+        // flight for the key instead.
+        let mut below_floor = false;
         match verdict {
-            Verdict::Fresh(entry) => {
+            Verdict::Fresh(entry) if self.ctx.floors.admits(&key, &entry, looked_at) => {
                 span.record("role", "hit");
                 // A flight of this key still running read before this
                 // (see local.rs): later requests must not get its answer.
                 self.flights.detach(&key);
-                self.ctx.memory.fill(&key, &entry, &ticket, now_millis());
+                self.ctx.fill_memory(&key, &entry, &ticket);
                 self.refreshes.maybe_early(&self.ctx, &key, &entry, now);
                 return Answer::new(entry, Served::Hit);
+            }
+            Verdict::Fresh(_) => {
+                metrics::floor_miss();
+                below_floor = true;
             }
             Verdict::Backoff(entry) => {
                 span.record("role", "fail_safe");
@@ -690,9 +747,18 @@ impl<S: Source> ReadPath<S> {
             Verdict::Miss => {
                 // Checked here, past the look in Redis, so that hits pay
                 // nothing for it.
-                if let Some(answer) = self.known_missing_answer(&key) {
-                    span.record("role", "guard");
-                    return answer;
+                match self.known_missing_answer(&key) {
+                    Some(Ok(answer))
+                        if !self.ctx.floors.admits(&key, answer.entry(), looked_at) =>
+                    {
+                        metrics::floor_miss();
+                        below_floor = true;
+                    }
+                    Some(answer) => {
+                        span.record("role", "guard");
+                        return answer;
+                    }
+                    None => {}
                 }
             }
         }
@@ -703,13 +769,20 @@ impl<S: Source> ReadPath<S> {
             // request joined a flight already running, or the flight ends
             // without electing), it is let go.
             let _won = won;
-            if !looked.redis_up {
+            if !looked.redis_up || below_floor {
                 return this.ctx.loader.bypass(&key).await;
             }
             // Taken before anything of the flight is read (see memory.rs).
             let ticket = this.ctx.memory.ticket(&key);
             let outcome = Coordinator::new(&this.ctx, &key, looked.absent).run().await;
             if let Ok(answer) = &outcome {
+                // Older than what this process served since the flight
+                // began (a late message, a leader that read before the
+                // floor): loaded from the primary instead.
+                if !this.admitted(&key, answer, looked_at) {
+                    metrics::floor_miss();
+                    return this.ctx.loader.bypass(&key).await;
+                }
                 this.ctx.keep_in_memory(&key, answer, &ticket);
             }
             outcome

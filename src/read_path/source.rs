@@ -41,18 +41,37 @@ impl Since {
     }
 }
 
+/// What one load read: the item's body (`None`: it does not exist), and a
+/// WAL position its rows are no newer than: the server's, read after the
+/// rows' snapshot (0: not known). A process keeps from serving an older
+/// version of an item than one it served by it (see `floor.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loaded {
+    pub body: Option<Bytes>,
+    pub upto: u64,
+}
+
+/// What one statement of many keys read: the bodies of the keys that
+/// exist, and a position no row of the statement is newer than (as
+/// [`Loaded::upto`]; the keys not found were absent as of it too).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedMany<K> {
+    pub found: Vec<(K, Bytes)>,
+    pub upto: u64,
+}
+
 /// What the read path loads on a miss.
 pub trait Source: Send + Sync + 'static {
     /// What identifies an item; its `Display` form goes inside the hash tag.
     type Key: Clone + Eq + Hash + Display + Send + Sync + 'static;
 
     /// The item's response body, `None` when it does not exist, read so as
-    /// to include `since`.
+    /// to include `since`, with the position it is no newer than.
     fn load(
         &self,
         key: &Self::Key,
         since: Since,
-    ) -> impl Future<Output = Result<Option<Bytes>, LoadError>> + Send;
+    ) -> impl Future<Output = Result<Loaded, LoadError>> + Send;
 
     /// Whether loads may read a copy that lags the primary (read
     /// replicas), so that a leader must learn the item's last change (its
@@ -94,5 +113,5 @@ pub trait Source: Send + Sync + 'static {
     fn load_many(
         &self,
         keys: &[(Self::Key, Since)],
-    ) -> impl Future<Output = Result<Vec<(Self::Key, Bytes)>, LoadError>> + Send;
+    ) -> impl Future<Output = Result<LoadedMany<Self::Key>, LoadError>> + Send;
 }

@@ -9,15 +9,21 @@ use sqlx::PgPool;
 use super::{replica_floor::Suspects, replicas::Replicas};
 use crate::{
     posts::Post,
-    read_path::{LoadProgress, Since},
+    read_path::{LoadProgress, Loaded, LoadedMany, Since},
 };
 
 /// Posts read past the cache at a position (see [`PostStore::read_at_least`]).
 #[derive(Debug)]
 pub struct ReadAt {
     pub posts: Vec<Post>,
-    /// Every commit up to this WAL position is in `posts`.
+    /// From a replica: the position it had replayed before it read, every
+    /// commit up to it in `posts`. From the primary: its WAL insert
+    /// position, past every commit visible to the read (and maybe some
+    /// not visible yet): a client's position past it is in the future.
     pub position: u64,
+    /// No post read is newer than this position (the server's, read after
+    /// the read).
+    pub upto: u64,
     /// Read from a replica (else the primary).
     pub replica: bool,
 }
@@ -82,18 +88,20 @@ impl PostStore {
         min: Option<u64>,
     ) -> Result<ReadAt, sqlx::Error> {
         if let (Some(replicas), Some(min)) = (&self.replicas, min) {
-            if let Some((position, posts)) = replicas.read_at_least(ids, min).await {
+            if let Some(read) = replicas.read_at_least(ids, min).await {
                 return Ok(ReadAt {
-                    posts,
-                    position,
+                    posts: read.posts,
+                    position: read.before,
+                    upto: read.after,
                     replica: true,
                 });
             }
         }
-        let (position, posts) = super::replicas::read_positioned(&self.pool, ids).await?;
+        let read = super::replicas::read_positioned(&self.pool, ids).await?;
         Ok(ReadAt {
-            posts,
-            position,
+            posts: read.posts,
+            position: read.before,
+            upto: read.after,
             replica: false,
         })
     }
@@ -108,34 +116,37 @@ impl PostStore {
         self.pool.size() >= self.connections() && self.pool.num_idle() == 0
     }
 
-    /// The post with this id, if any. One indexed query.
-    pub async fn find(&self, id: i64) -> Result<Option<Post>, sqlx::Error> {
-        again_if_lost(
+    /// The post with this id, if any, and a WAL position it is no newer
+    /// than. One indexed query.
+    pub async fn find(&self, id: i64) -> Result<(Option<Post>, u64), sqlx::Error> {
+        let (posts, upto) = self.find_many(&[id]).await?;
+        Ok((posts.into_iter().next(), upto))
+    }
+
+    /// The posts with these ids that exist, in one statement, and a WAL
+    /// position no row is newer than: the primary's insert position, read
+    /// by the statement after its snapshot was taken (a row for it comes
+    /// back when no post is found too).
+    pub async fn find_many(&self, ids: &[i64]) -> Result<(Vec<Post>, u64), sqlx::Error> {
+        let rows = again_if_lost(
             self.connections(),
             self.pool.options().get_acquire_timeout(),
             || {
-                sqlx::query_as::<_, Post>(
-                "select id, title, body, author, created_at, updated_at from posts where id = $1",
-            )
-            .bind(id)
-            .fetch_optional(&self.pool)
+                sqlx::query_as::<_, Positioned>(
+                    "select (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint as upto,
+                        p.id, p.title, p.body, p.author, p.created_at, p.updated_at
+                 from (values (1)) as one (x)
+                 left join posts p on p.id = any($1)",
+                )
+                .bind(ids)
+                .fetch_all(&self.pool)
             },
         )
         .await
-        .inspect(|_| self.answered.succeeded())
-    }
-
-    /// The posts with these ids that exist, in one statement.
-    pub async fn find_many(&self, ids: &[i64]) -> Result<Vec<Post>, sqlx::Error> {
-        again_if_lost(self.connections(), self.pool.options().get_acquire_timeout(), || {
-            sqlx::query_as::<_, Post>(
-                "select id, title, body, author, created_at, updated_at from posts where id = any($1)",
-            )
-            .bind(ids)
-            .fetch_all(&self.pool)
-        })
-        .await
-        .inspect(|_| self.answered.succeeded())
+        .inspect(|_| self.answered.succeeded())?;
+        let upto = rows.iter().map(|row| row.upto).max().unwrap_or(0);
+        let posts = rows.into_iter().filter_map(Positioned::post).collect();
+        Ok((posts, u64::try_from(upto).unwrap_or(0)))
     }
 
     /// A failed read as a load error: [`crate::read_path::Busy`] when every
@@ -245,6 +256,31 @@ fn connection_lost(error: &sqlx::Error) -> bool {
     }
 }
 
+/// A row of [`PostStore::find_many`]: the position, and a post or nulls.
+#[derive(sqlx::FromRow)]
+struct Positioned {
+    upto: i64,
+    id: Option<i64>,
+    title: Option<String>,
+    body: Option<String>,
+    author: Option<String>,
+    created_at: Option<crate::posts::Timestamp>,
+    updated_at: Option<crate::posts::Timestamp>,
+}
+
+impl Positioned {
+    fn post(self) -> Option<Post> {
+        Some(Post {
+            id: self.id?,
+            title: self.title?,
+            body: self.body?,
+            author: self.author?,
+            created_at: self.created_at?,
+            updated_at: self.updated_at?,
+        })
+    }
+}
+
 /// The read path loads a post as its JSON body, `None` when absent.
 impl crate::read_path::Source for PostStore {
     type Key = i64;
@@ -253,23 +289,28 @@ impl crate::read_path::Source for PostStore {
         self.replicas.is_some()
     }
 
-    async fn load(
-        &self,
-        id: &i64,
-        since: Since,
-    ) -> Result<Option<bytes::Bytes>, crate::read_path::LoadError> {
+    async fn load(&self, id: &i64, since: Since) -> Result<Loaded, crate::read_path::LoadError> {
         if let Some(replicas) = &self.replicas {
             let routed = replicas.read(&[(*id, since)]).await;
             if routed.primary.is_empty() {
-                return match routed.found.first() {
-                    Some(post) => Ok(Some(serde_json::to_vec(post)?.into())),
-                    None => Ok(None),
+                let body = match routed.found.first() {
+                    Some(post) => Some(serde_json::to_vec(post)?.into()),
+                    None => None,
                 };
+                return Ok(Loaded {
+                    body,
+                    upto: routed.upto,
+                });
             }
         }
         match self.find(*id).await {
-            Ok(Some(post)) => Ok(Some(serde_json::to_vec(&post)?.into())),
-            Ok(None) => Ok(None),
+            Ok((post, upto)) => Ok(Loaded {
+                body: match post {
+                    Some(post) => Some(serde_json::to_vec(&post)?.into()),
+                    None => None,
+                },
+                upto,
+            }),
             Err(error) => Err(self.load_error(error)),
         }
     }
@@ -304,24 +345,27 @@ impl crate::read_path::Source for PostStore {
     async fn load_many(
         &self,
         keys: &[(i64, Since)],
-    ) -> Result<Vec<(i64, bytes::Bytes)>, crate::read_path::LoadError> {
-        let (mut posts, primary) = match &self.replicas {
+    ) -> Result<LoadedMany<i64>, crate::read_path::LoadError> {
+        let (mut posts, primary, mut upto) = match &self.replicas {
             Some(replicas) => {
                 let routed = replicas.read(keys).await;
-                (routed.found, routed.primary)
+                (routed.found, routed.primary, routed.upto)
             }
-            None => (Vec::new(), keys.iter().map(|(id, _)| *id).collect()),
+            None => (Vec::new(), keys.iter().map(|(id, _)| *id).collect(), 0),
         };
         if !primary.is_empty() {
-            posts.extend(
-                self.find_many(&primary)
-                    .await
-                    .map_err(|error| self.load_error(error))?,
-            );
+            let (read, at) = self
+                .find_many(&primary)
+                .await
+                .map_err(|error| self.load_error(error))?;
+            posts.extend(read);
+            // A replica is never ahead of the primary's later position.
+            upto = upto.max(at);
         }
-        posts
+        let found = posts
             .into_iter()
             .map(|post| Ok((post.id, serde_json::to_vec(&post)?.into())))
-            .collect()
+            .collect::<Result<_, crate::read_path::LoadError>>()?;
+        Ok(LoadedMany { found, upto })
     }
 }

@@ -162,13 +162,28 @@ pub(super) struct Routed {
     pub found: Vec<Post>,
     /// Keys to read from the primary.
     pub primary: Vec<i64>,
+    /// A position no post read from a replica is newer than (0: none read).
+    pub upto: u64,
+}
+
+/// Posts read at a position (see [`read_positioned`]).
+#[derive(Debug)]
+pub(super) struct Positioned {
+    /// Every commit up to here is in the posts (a standby's replay
+    /// position before the read), or, from a primary, its WAL insert
+    /// position before the read (which may name commits not visible yet).
+    pub before: u64,
+    /// No post is newer than this: the same position, read after the read.
+    pub after: u64,
+    pub posts: Vec<Post>,
 }
 
 /// A row of `postcache_read_posts`: the first carries only the replay
-/// position.
+/// position; `after_lsn` is read once the function has returned.
 #[derive(sqlx::FromRow)]
 struct Row {
     replay_lsn: i64,
+    after_lsn: i64,
     post_id: Option<i64>,
     post_title: Option<String>,
     post_body: Option<String>,
@@ -178,25 +193,27 @@ struct Row {
 }
 
 /// The posts `ids` with the position the server had replayed (a standby)
-/// or written (a primary) before their snapshot was taken, in one round
-/// trip (`postcache_read_posts`, migration 0005): every commit up to that
-/// position is in the rows.
-pub(super) async fn read_positioned(
-    pool: &PgPool,
-    ids: &[i64],
-) -> Result<(u64, Vec<Post>), sqlx::Error> {
+/// or written (a primary) before their snapshot was taken, and the same
+/// position after, in one round trip (`postcache_read_posts`, migration
+/// 0005, whose rows are all made before the outer select reads the
+/// position again).
+pub(super) async fn read_positioned(pool: &PgPool, ids: &[i64]) -> Result<Positioned, sqlx::Error> {
     let rows = sqlx::query_as::<_, Row>(
-        "select replay_lsn, post_id, post_title, post_body, post_author,
-                post_created_at, post_updated_at
+        "select replay_lsn,
+                (case when pg_is_in_recovery()
+                      then coalesce(pg_last_wal_replay_lsn(), '0/0'::pg_lsn)
+                      else pg_current_wal_insert_lsn() end - '0/0'::pg_lsn)::bigint as after_lsn,
+                post_id, post_title, post_body, post_author, post_created_at, post_updated_at
          from postcache_read_posts($1)",
     )
     .bind(ids)
     .fetch_all(pool)
     .await?;
-    let replayed = rows
+    let (replayed, after) = rows
         .first()
-        .map(|row| row.replay_lsn)
+        .map(|row| (row.replay_lsn, row.after_lsn))
         .ok_or_else(|| sqlx::Error::Protocol("no replay position".into()))?;
+    let after = rows.iter().map(|row| row.after_lsn).max().unwrap_or(after);
     let posts = rows
         .into_iter()
         .filter_map(|row| {
@@ -210,7 +227,11 @@ pub(super) async fn read_positioned(
             })
         })
         .collect();
-    Ok((u64::try_from(replayed).unwrap_or(0), posts))
+    Ok(Positioned {
+        before: u64::try_from(replayed).unwrap_or(0),
+        after: u64::try_from(after).unwrap_or(0),
+        posts,
+    })
 }
 
 impl Replicas {
@@ -291,6 +312,7 @@ impl Replicas {
             return Routed {
                 found,
                 primary: left.into_iter().map(|(id, _)| id).collect(),
+                upto: 0,
             };
         }
         let n = self.replicas.len();
@@ -298,6 +320,7 @@ impl Replicas {
         let mut tried_any = false;
         let mut failed = false;
         let mut busy = false;
+        let mut upto = 0;
         let deadline = tokio::time::Instant::now() + self.read_timeout;
         for i in 0..n {
             if left.is_empty() || tokio::time::Instant::now() >= deadline {
@@ -320,7 +343,12 @@ impl Replicas {
                 continue;
             }
             match self.read_from(replica, &ask, deadline).await {
-                Ok((replayed, posts)) => {
+                Ok(Positioned {
+                    before: replayed,
+                    after,
+                    posts,
+                }) => {
+                    upto = upto.max(after);
                     replica.failures.store(0, Ordering::Relaxed);
                     replica.replayed.fetch_max(replayed, Ordering::Relaxed);
                     // Per key: served here only if its change was replayed,
@@ -366,6 +394,7 @@ impl Replicas {
         Routed {
             found,
             primary: left.into_iter().map(|(id, _)| id).collect(),
+            upto,
         }
     }
 
@@ -376,7 +405,7 @@ impl Replicas {
         replica: &Replica,
         ids: &[i64],
         deadline: tokio::time::Instant,
-    ) -> Result<(u64, Vec<Post>), ReadFailed> {
+    ) -> Result<Positioned, ReadFailed> {
         let rows = read_positioned(&replica.pool, ids);
         tokio::time::timeout_at(deadline, rows)
             .await
@@ -398,10 +427,10 @@ impl Replicas {
 
     /// Reads `ids` from a replica in the rotation that has replayed `min`
     /// (a WAL position), as its replay position read with the rows shows:
-    /// that position and the posts found, or `None` when no replica is
-    /// known to be that far or none answered in time. For reads that ask
-    /// for a position (`PostCache-Min-LSN`); nothing read here is stored.
-    pub(super) async fn read_at_least(&self, ids: &[i64], min: u64) -> Option<(u64, Vec<Post>)> {
+    /// what it read, or `None` when no replica is known to be that far or
+    /// none answered in time. For reads that ask for a position
+    /// (`PostCache-Min-LSN`); nothing read here is stored.
+    pub(super) async fn read_at_least(&self, ids: &[i64], min: u64) -> Option<Positioned> {
         let n = self.replicas.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let deadline = tokio::time::Instant::now() + self.read_timeout;
@@ -411,11 +440,11 @@ impl Replicas {
                 continue;
             }
             match self.read_from(replica, ids, deadline).await {
-                Ok((replayed, posts)) => {
+                Ok(read) => {
                     replica.failures.store(0, Ordering::Relaxed);
-                    replica.replayed.fetch_max(replayed, Ordering::Relaxed);
-                    if replayed >= min {
-                        return Some((replayed, posts));
+                    replica.replayed.fetch_max(read.before, Ordering::Relaxed);
+                    if read.before >= min {
+                        return Some(read);
                     }
                 }
                 Err(ReadFailed::Busy) => {}

@@ -12,6 +12,7 @@ mod cluster;
 mod connections;
 mod docs;
 mod faults;
+mod floors;
 mod freshness;
 mod gray;
 mod guarantees;

@@ -329,6 +329,13 @@ impl Beats {
             .is_some_and(|age| age < within)
     }
 
+    /// The position as read, fresh or not (0: none since the stream was
+    /// last taken up): every change up to it was applied to Redis and
+    /// forgotten here.
+    fn applied(&self) -> u64 {
+        self.applied.load(Ordering::SeqCst)
+    }
+
     /// Everything committed up to `lsn` is applied here.
     fn advance(&self, lsn: u64) {
         if self.applied.fetch_max(lsn, Ordering::SeqCst) < lsn {
@@ -503,6 +510,8 @@ impl Reader {
                     .map_or_else(|| "0-0".to_owned(), |(id, _)| id.clone()),
             );
             self.beats.forget();
+            // Redis may have lost what was applied: no position vouches.
+            self.read_path.feed_position(0);
             // What the memory tier took in while the stream was not read.
             self.read_path.forget_all();
             if *self.connected.borrow() {
@@ -542,6 +551,8 @@ impl Reader {
                 self.take(Entry::parse(&fields)).await;
                 *last = Some(id);
             }
+            // The floors (read_path/floor.rs) lapse as the position passes.
+            self.read_path.feed_position(self.beats.applied());
         }
     }
 

@@ -26,12 +26,15 @@ use bytes::Bytes;
 use futures::FutureExt;
 use tokio::sync::oneshot;
 
-use super::{Busy, LoadError, LoadProgress, Since, Source};
+use super::{source::Loaded, Busy, LoadError, LoadProgress, Since, Source};
 use crate::telemetry::metrics;
 
-/// What one key's load gave: its body, `None` when absent, or the batch's
-/// failure (shared by its keys).
-type Loaded = Result<Option<Bytes>, Arc<LoadError>>;
+/// What one key's load gave: its body, `None` when absent, with the
+/// statement's position, or the batch's failure (shared by its keys).
+type Answered = Result<Loaded, Arc<LoadError>>;
+
+/// What one statement read: the bodies found by key, and its position.
+type Read<K> = (HashMap<K, Bytes>, u64);
 
 /// One key waiting for a statement.
 struct Queued<K> {
@@ -40,7 +43,7 @@ struct Queued<K> {
     since: Since,
     /// Names this wait, to take it out of the queue.
     ticket: u64,
-    reply: oneshot::Sender<Loaded>,
+    reply: oneshot::Sender<Answered>,
 }
 
 /// The keys waiting for a statement, and how many statements run.
@@ -161,11 +164,7 @@ impl<S: Source> Batches<S> {
     /// statement has not started within DB_ACQUIRE_TIMEOUT is taken out of
     /// the queue: [`Busy`], as a load that got no connection in time, if a
     /// statement succeeded while it waited; else a failure.
-    pub async fn load(
-        self: &Arc<Self>,
-        key: &S::Key,
-        since: Since,
-    ) -> Result<Option<Bytes>, LoadError> {
+    pub async fn load(self: &Arc<Self>, key: &S::Key, since: Since) -> Result<Loaded, LoadError> {
         let (reply, mut answer) = oneshot::channel();
         let (start, ticket) = {
             let mut queue = self.lock();
@@ -217,7 +216,7 @@ impl<S: Source> Batches<S> {
             }
         };
         match answered {
-            Ok(Ok(body)) => Ok(body),
+            Ok(Ok(loaded)) => Ok(loaded),
             Ok(Err(failed)) if failed.is::<Busy>() => Err(Busy.into()),
             Ok(Err(failed)) => Err(anyhow::anyhow!("{failed:#}")),
             Err(_) => Err(anyhow::anyhow!(
@@ -297,16 +296,17 @@ impl<S: Source> Batches<S> {
         metrics::load_statement(keys.len());
         let read = AssertUnwindSafe(async {
             if let [(key, since)] = keys.as_slice() {
-                let body = self.source.load(key, *since).await?;
-                Ok::<_, LoadError>(HashMap::from_iter(body.map(|body| (key.clone(), body))))
+                let loaded = self.source.load(key, *since).await?;
+                let found = loaded.body.map(|body| (key.clone(), body));
+                Ok::<_, LoadError>((HashMap::from_iter(found), loaded.upto))
             } else {
                 let rows = self.source.load_many(&keys).await?;
-                Ok(rows.into_iter().collect())
+                Ok((rows.found.into_iter().collect(), rows.upto))
             }
         })
         .catch_unwind()
         .await;
-        let found: Result<HashMap<S::Key, Bytes>, Arc<LoadError>> = match read {
+        let found: Result<Read<S::Key>, Arc<LoadError>> = match read {
             Ok(Ok(found)) => {
                 self.answered.succeeded();
                 Ok(found)
@@ -317,7 +317,10 @@ impl<S: Source> Batches<S> {
         };
         for queued in batch {
             let loaded = match &found {
-                Ok(found) => Ok(found.get(&queued.key).cloned()),
+                Ok((found, upto)) => Ok(Loaded {
+                    body: found.get(&queued.key).cloned(),
+                    upto: *upto,
+                }),
                 Err(error) => Err(error.clone()),
             };
             // Its load was given up meanwhile: nobody to answer.

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::Semaphore;
 
 use super::*;
+use crate::read_path::source::{Loaded, LoadedMany};
 
 const A_SECOND: Duration = Duration::from_secs(1);
 
@@ -59,15 +60,17 @@ impl Held {
 impl Source for Arc<Held> {
     type Key = u64;
 
-    async fn load(&self, key: &u64, since: Since) -> Result<Option<Bytes>, LoadError> {
+    async fn load(&self, key: &u64, since: Since) -> Result<Loaded, LoadError> {
         self.asked.lock().unwrap().push((*key, since));
-        Ok(self.read(&[*key]).await?.pop().map(|(_, body)| body))
+        let body = self.read(&[*key]).await?.pop().map(|(_, body)| body);
+        Ok(Loaded { body, upto: 0 })
     }
 
-    async fn load_many(&self, keys: &[(u64, Since)]) -> Result<Vec<(u64, Bytes)>, LoadError> {
+    async fn load_many(&self, keys: &[(u64, Since)]) -> Result<LoadedMany<u64>, LoadError> {
         self.asked.lock().unwrap().extend_from_slice(keys);
         let keys: Vec<u64> = keys.iter().map(|(key, _)| *key).collect();
-        self.read(&keys).await
+        let found = self.read(&keys).await?;
+        Ok(LoadedMany { found, upto: 0 })
     }
 }
 
@@ -77,7 +80,7 @@ fn spawn_load(
     key: u64,
 ) -> tokio::task::JoinHandle<Option<Bytes>> {
     let batches = batches.clone();
-    tokio::spawn(async move { batches.load(&key, Since::ANY).await.unwrap() })
+    tokio::spawn(async move { batches.load(&key, Since::ANY).await.unwrap().body })
 }
 
 /// Waits until the source has seen `n` statements.
@@ -103,10 +106,10 @@ async fn a_lone_load_starts_at_once_with_the_single_key_statement() {
     let source = Arc::new(Held::open());
     let batches = Batches::new(source.clone(), 256, 2, A_SECOND);
     assert_eq!(
-        batches.load(&7, Since::ANY).await.unwrap(),
+        batches.load(&7, Since::ANY).await.unwrap().body,
         Some(Bytes::from("7"))
     );
-    assert_eq!(batches.load(&700, Since::ANY).await.unwrap(), None);
+    assert_eq!(batches.load(&700, Since::ANY).await.unwrap().body, None);
     assert_eq!(*source.statements.lock().unwrap(), vec![vec![7], vec![700]]);
 }
 
@@ -165,7 +168,7 @@ async fn a_key_queued_twice_is_read_once_so_as_to_include_the_later_change() {
     until_statements(&source, 1).await;
     let load = |key: u64, since: u64| {
         let batches = batches.clone();
-        tokio::spawn(async move { batches.load(&key, Since(since)).await.unwrap() })
+        tokio::spawn(async move { batches.load(&key, Since(since)).await.unwrap().body })
     };
     let queued = [load(5, 30), load(5, 70), load(5, 0), load(6, 0)];
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -203,7 +206,7 @@ async fn a_failed_statement_fails_each_of_its_keys_and_the_next_goes_on() {
     }
     source.fail.store(0, Ordering::Relaxed);
     assert_eq!(
-        batches.load(&9, Since::ANY).await.unwrap(),
+        batches.load(&9, Since::ANY).await.unwrap().body,
         Some(Bytes::from("9"))
     );
 }
@@ -217,7 +220,7 @@ async fn a_statement_that_panics_answers_its_keys_and_frees_its_slot() {
     assert!(format!("{error:#}").contains("panicked"), "{error:#}");
     source.panic.store(0, Ordering::Relaxed);
     assert_eq!(
-        batches.load(&2, Since::ANY).await.unwrap(),
+        batches.load(&2, Since::ANY).await.unwrap().body,
         Some(Bytes::from("2"))
     );
 }
@@ -227,10 +230,10 @@ async fn a_busy_source_is_busy_for_each_key() {
     struct Busy1;
     impl Source for Busy1 {
         type Key = u64;
-        async fn load(&self, _: &u64, _: Since) -> Result<Option<Bytes>, LoadError> {
+        async fn load(&self, _: &u64, _: Since) -> Result<Loaded, LoadError> {
             Err(Busy.into())
         }
-        async fn load_many(&self, _: &[(u64, Since)]) -> Result<Vec<(u64, Bytes)>, LoadError> {
+        async fn load_many(&self, _: &[(u64, Since)]) -> Result<LoadedMany<u64>, LoadError> {
             Err(Busy.into())
         }
     }
@@ -324,6 +327,6 @@ async fn a_statement_waits_for_the_keys_a_batch_read_expects() {
     let batches = Batches::new(source.clone(), 256, 2, A_SECOND);
     let _stuck = batches.expect(&9);
     let started = std::time::Instant::now();
-    assert!(batches.load(&5, Since::ANY).await.unwrap().is_some());
+    assert!(batches.load(&5, Since::ANY).await.unwrap().body.is_some());
     assert!(started.elapsed() < Duration::from_millis(500));
 }

@@ -180,6 +180,11 @@ pub fn decoder_held(held: bool) {
     gauge!(DECODER_HELD).set(if held { 1.0 } else { 0.0 });
 }
 
+/// An answer older than this process's floor for the item, loaded again.
+pub fn floor_miss() {
+    counter!(FLOOR_MISSES).increment(1);
+}
+
 /// This instance's decoder gave up the slot (see `DECODER_GAVE_UP`).
 pub fn decoder_gave_up() {
     counter!(DECODER_GAVE_UP).increment(1);

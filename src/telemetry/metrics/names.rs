@@ -70,6 +70,9 @@ pub const FEED_RESTARTS: &str = "postcache_change_feed_restarts_total";
 /// CHANGE_FEED=replication: whether this instance holds the slot (1: it
 /// decodes for the fleet).
 pub const DECODER_HELD: &str = "postcache_change_feed_decoder";
+/// Answers found older than a version this process had served (its floor
+/// for the item: see `read_path/floor.rs`), loaded from the primary instead.
+pub const FLOOR_MISSES: &str = "postcache_floor_misses_total";
 /// CHANGE_FEED=replication: times this instance's decoder gave up the slot
 /// because it could not vouch for its connection (PostgreSQL did not hear
 /// it, what was sent did not arrive, the primary could not be asked).
@@ -177,6 +180,7 @@ pub const ALL: &[&str] = &[
     DECODER_HELD,
     DECODER_GAVE_UP,
     DECODER_TAKEOVERS,
+    FLOOR_MISSES,
     FEED_GAPS,
     FEED_LAG_BYTES,
     FEED_LAG_SECONDS,
@@ -320,6 +324,10 @@ pub(super) fn describe() {
     describe_gauge!(
         DECODER_HELD,
         "Whether this instance holds the replication slot and decodes for the fleet."
+    );
+    describe_counter!(
+        FLOOR_MISSES,
+        "Answers found older than a version this process had served, loaded from the primary instead."
     );
     describe_counter!(
         DECODER_GAVE_UP,
