@@ -40,6 +40,10 @@ pub struct PostBatch {
     pub not_found: Vec<i64>,
     /// The ids whose load failed or timed out (ask again).
     pub unavailable: Vec<i64>,
+    /// The ids of `posts` and `not_found` served stale, as `X-Cache: stale`
+    /// says of one post: a fail-safe copy while loads fail, or a copy past
+    /// freshness within STALE_WHILE_REVALIDATE.
+    pub stale: Vec<i64>,
 }
 
 /// The distinct ids of `list` (`1,2,3`), in their order, or why it is refused.
@@ -148,7 +152,7 @@ pub async fn get_posts(
     };
     let now = now_millis();
     let mut posts = Vec::with_capacity(2 + keys.len() * 256);
-    let (mut not_found, mut unavailable) = (Vec::new(), Vec::new());
+    let (mut not_found, mut unavailable, mut stale) = (Vec::new(), Vec::new(), Vec::new());
     let mut max_age = u64::MAX;
     let mut tag = Xxh3::new();
     for (id, answer) in keys.iter().zip(answers) {
@@ -156,6 +160,9 @@ pub async fn get_posts(
             unavailable.push(*id);
             continue;
         };
+        if answer.served == Served::Stale {
+            stale.push(*id);
+        }
         let entry = answer.entry();
         max_age = max_age.min(entry.fresh_until().saturating_sub(now) / 1000);
         tag.update(&id.to_le_bytes());
@@ -188,6 +195,8 @@ pub async fn get_posts(
         body.extend_from_slice(&serde_json::to_vec(&not_found).unwrap_or_default());
         body.extend_from_slice(b",\"unavailable\":");
         body.extend_from_slice(&serde_json::to_vec(&unavailable).unwrap_or_default());
+        body.extend_from_slice(b",\"stale\":");
+        body.extend_from_slice(&serde_json::to_vec(&stale).unwrap_or_default());
         body.push(b'}');
         (
             [(

@@ -57,6 +57,14 @@ impl<S: Source> Context<S> {
         settings: Settings,
         memory: MemoryTier<S::Key>,
     ) -> Self {
+        #[cfg(feature = "testkit")]
+        let floors = if settings.hooks.no_floors {
+            Floors::off()
+        } else {
+            Floors::default()
+        };
+        #[cfg(not(feature = "testkit"))]
+        let floors = Floors::default();
         Self {
             loader,
             keys,
@@ -66,8 +74,30 @@ impl<S: Source> Context<S> {
             tasks: TaskTracker::new(),
             memory,
             won: Arc::default(),
-            floors: Floors::default(),
+            floors,
             cutoff: AtomicU64::new(0),
+        }
+    }
+
+    /// The verdict on `entry` at `now` (see `freshness::judge`), but for a
+    /// copy another instance re-served after its load failed: while this
+    /// instance's own loads succeed (within FAILURE_TTL), that failure may
+    /// be that instance's alone (its connection to PostgreSQL lost, the
+    /// rest of the fleet fine), and its copy, older than the last change
+    /// perhaps, is no answer here: this instance loads the item itself.
+    /// Once its loads fail too, it serves the copy as the fleet's fail-safe.
+    pub fn judge(
+        &self,
+        entry: Option<crate::cache::Entry>,
+        now: u64,
+        grace: std::time::Duration,
+    ) -> super::freshness::Verdict {
+        use super::freshness::{judge, Verdict};
+        match judge(entry, now, grace, self.cutoff()) {
+            Verdict::Backoff(_) if self.loader.answered_within(self.settings.failure_ttl) => {
+                Verdict::Miss
+            }
+            verdict => verdict,
         }
     }
 

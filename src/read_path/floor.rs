@@ -37,13 +37,25 @@
 //! and it keeps nothing else while the floor stands; so a memory hit, which
 //! checks nothing, is admitted too.
 //!
+//! A stale copy (a fail-safe copy re-served after a failed load, a copy
+//! within the stale-while-revalidate window) is not judged by the feed's
+//! position: a change marks such a copy, it does not remove it. So the
+//! versions served that the cache's last good copy may be older than (read
+//! past the cache, loaded while Redis was bypassed, ahead of the feed) are
+//! kept after their floors lapse, and a stale copy must be that version or
+//! loaded here after it, or it is a miss too (a 503 where no load succeeds:
+//! never an older version instead).
+//!
 //! Bounded: past [`MAX_FLOORS`] the lowest eighth is dropped. With a
 //! position (replication), their highest position becomes a floor of every
 //! item (the feed passes it soon; meanwhile a lookup is admitted only once
 //! it has, a load only if it began after). Without one the dropped floors
 //! are forgotten: the one condition under which this process may go back in
 //! time (more than MAX_FLOORS items read past the cache, or while Redis was
-//! bypassed, before the cache gave them back, in trigger or off mode).
+//! bypassed, before the cache gave them back, in trigger or off mode). The
+//! versions kept for stale copies are bounded the same way, the oldest
+//! quarter dropped: a stale copy of one of those may then be older than a
+//! version served before it.
 
 use std::{
     collections::HashMap,
@@ -71,9 +83,24 @@ struct Floor {
     set: Instant,
 }
 
+/// A version served that the cache's last good copy may be older than,
+/// kept past its floor for judging stale copies (see [`Floors::admits_stale`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Served {
+    etag: u64,
+    /// When it was first served.
+    set: Instant,
+}
+
 #[derive(Debug)]
 struct Book<K> {
     items: HashMap<K, Floor>,
+    /// Versions served that may be newer than the last good copy in Redis
+    /// (read past the cache, loaded while Redis was bypassed, or ahead of
+    /// the feed), kept after their floors lapse: a stale copy is not judged
+    /// by the feed's position (a fail-safe copy is served on purpose after
+    /// a change invalidated it). Bounded by MAX_FLOORS, oldest dropped.
+    served: HashMap<K, Served>,
     /// Every item's floor once floors were dropped for room (replication
     /// mode): their highest position, and when (no ETag: only a lookup past
     /// it or a later load is admitted).
@@ -89,8 +116,13 @@ pub(super) struct Floors<K> {
     position: AtomicU64,
     /// Whether any floor stands: an answer then takes the lock.
     any: AtomicBool,
+    /// Whether any served version is kept (stale copies take the lock).
+    any_served: AtomicBool,
     /// A std mutex: held for a lookup or an insert, never across an await.
     book: Mutex<Book<K>>,
+    /// Off: a deliberate defect of the test kit's, for the coherence
+    /// checker to find (no floor is ever set).
+    off: bool,
 }
 
 impl<K> Default for Floors<K> {
@@ -98,10 +130,24 @@ impl<K> Default for Floors<K> {
         Self {
             position: AtomicU64::new(0),
             any: AtomicBool::new(false),
+            any_served: AtomicBool::new(false),
             book: Mutex::new(Book {
                 items: HashMap::new(),
+                served: HashMap::new(),
                 all: None,
             }),
+            off: false,
+        }
+    }
+}
+
+impl<K> Floors<K> {
+    /// Floors that are never set (the test kit's deliberate defect).
+    #[cfg(feature = "testkit")]
+    pub fn off() -> Self {
+        Self {
+            off: true,
+            ..Self::default()
         }
     }
 }
@@ -167,7 +213,13 @@ impl<K: Eq + Hash + Clone> Floors<K> {
     pub fn raise(&self, key: &K, entry: &Entry, forced: bool) -> bool {
         let upto = entry.upto();
         let position = self.position();
-        if upto == 0 || (position == 0 && !forced) || (position != 0 && upto <= position) {
+        if self.off || upto == 0 {
+            return false;
+        }
+        if forced || (position != 0 && upto > position) {
+            self.keep_served(key, entry);
+        }
+        if (position == 0 && !forced) || (position != 0 && upto <= position) {
             return false;
         }
         let mut book = self.lock();
@@ -193,6 +245,49 @@ impl<K: Eq + Hash + Clone> Floors<K> {
         }
         self.any.store(true, Ordering::SeqCst);
         true
+    }
+
+    /// Keeps the version `entry` of `key` as served, for the stale copies.
+    fn keep_served(&self, key: &K, entry: &Entry) {
+        let mut book = self.lock();
+        if book.served.len() >= MAX_FLOORS && !book.served.contains_key(key) {
+            // The oldest quarter goes.
+            let mut sets: Vec<Instant> = book.served.values().map(|s| s.set).collect();
+            let cut = sets.len() / 4;
+            let (_, &mut bound, _) = sets.select_nth_unstable(cut);
+            book.served.retain(|_, s| s.set > bound);
+        }
+        let now = Instant::now();
+        let served = book.served.entry(key.clone()).or_insert(Served {
+            etag: entry.etag(),
+            set: now,
+        });
+        if served.etag != entry.etag() {
+            *served = Served {
+                etag: entry.etag(),
+                set: now,
+            };
+        }
+        self.any_served.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a stale copy (a fail-safe copy, a copy within the
+    /// stale-while-revalidate window) may be served for `key`: never one
+    /// older than a version served here since the cache's last good copy
+    /// may have been stored. The feed's position says nothing of such a
+    /// copy: it must be the version served, or loaded here after it.
+    pub fn admits_stale(&self, key: &K, entry: &Entry) -> bool {
+        if !self.admits(key, entry, 0) {
+            return false;
+        }
+        if !self.any_served.load(Ordering::SeqCst) {
+            return true;
+        }
+        let book = self.lock();
+        book.served.get(key).is_none_or(|served| {
+            served.etag == entry.etag()
+                || entry.loaded_here().is_some_and(|began| began >= served.set)
+        })
     }
 
     /// Whether the memory tier may keep `entry` for `key`: only an item's
@@ -350,6 +445,29 @@ mod tests {
         assert_eq!(floors.upto(&1), 500);
         assert!(!floors.admits(&1, &looked_up("v2"), 100));
         assert!(floors.admits(&1, &looked_up("v3"), 100));
+    }
+
+    #[test]
+    fn a_stale_copy_older_than_a_version_served_is_refused_after_the_floor_lapses() {
+        crate::cache::entry::process_epoch();
+        let floors = Floors::<i64>::default();
+        floors.advance(100);
+        let served = loaded("v2", Instant::now(), 500);
+        floors.raise(&1, &served, true);
+        floors.advance(600);
+        assert_eq!(floors.len(), 0, "the floor lapsed");
+        // A fresh copy looked up after the feed passed it: admitted.
+        assert!(floors.admits(&1, &looked_up("v3"), 600));
+        // A stale copy of an older version: never, the position says
+        // nothing of it; the version served, or a later load, is.
+        assert!(!floors.admits_stale(&1, &looked_up("v1")));
+        assert!(floors.admits_stale(&1, &looked_up("v2")));
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(floors.admits_stale(&1, &loaded("v3", Instant::now(), 700)));
+        // Other items, and answers behind the feed, keep nothing.
+        assert!(floors.admits_stale(&2, &looked_up("v1")));
+        floors.raise(&3, &loaded("old", Instant::now(), 50), false);
+        assert!(floors.admits_stale(&3, &looked_up("older")));
     }
 
     #[test]

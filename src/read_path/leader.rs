@@ -19,7 +19,7 @@ use tokio_util::task::TaskTracker;
 use super::{
     answer::{Answer, Outcome, ReadError, Served},
     context::Context,
-    freshness::{judge, store_for, Lifetimes, Verdict},
+    freshness::{store_for, Lifetimes, Verdict},
     letgo::{abandon, Attempt},
     machine::Led,
     memory::Ticket,
@@ -183,12 +183,7 @@ impl<'a, S: Source> Leader<'a, S> {
     /// after it makes our finish store nothing (see the finish script).
     /// `Ok(fence)` to load; `Err(outcome)` when someone finished already.
     fn double_check(&self, before: Before, seen: Option<u64>) -> Result<String, Outcome> {
-        let verdict = judge(
-            before.entry,
-            now_millis(),
-            Duration::ZERO,
-            self.ctx.cutoff(),
-        );
+        let verdict = self.ctx.judge(before.entry, now_millis(), Duration::ZERO);
         // A refresh must not settle for the very entry it replaces.
         let replaced = matches!(&verdict,
             Verdict::Fresh(e) | Verdict::Backoff(e)

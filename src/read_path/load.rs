@@ -61,6 +61,12 @@ impl<S: Source> Loader<S> {
         self.source.source().ordinals().await
     }
 
+    /// Whether a load statement of this process succeeded within `window`,
+    /// and none failed since.
+    pub fn answered_within(&self, window: Duration) -> bool {
+        self.source.answered_within(window)
+    }
+
     /// A batch read is about to load `key` (see [`Batches::expect`]).
     pub fn expect(&self, key: &S::Key) -> Expected<S> {
         self.source.expect(key)

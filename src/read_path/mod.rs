@@ -655,13 +655,10 @@ impl<S: Source> ReadPath<S> {
     ) -> Result<Answer, ReadError> {
         let answer = self.answer_after_look_up(key.clone(), look).await;
         if let Ok(answer) = &answer {
-            // What this process serves from now on is no older (answers
-            // marked stale say they are).
-            if answer.served != Served::Stale {
-                let forced = matches!(answer.served, Served::Bypass | Served::TooLarge);
-                if self.ctx.floors.raise(&key, answer.entry(), forced) {
-                    self.ctx.memory.keep_only(&key, answer.entry().etag());
-                }
+            // What this process serves from now on is no older.
+            let forced = matches!(answer.served, Served::Bypass | Served::TooLarge);
+            if self.ctx.floors.raise(&key, answer.entry(), forced) {
+                self.ctx.memory.keep_only(&key, answer.entry().etag());
             }
             // What this process serves from now on is no older.
             self.ctx.memory.supersede(&key, answer.entry());
@@ -685,10 +682,14 @@ impl<S: Source> ReadPath<S> {
     }
 
     /// Whether `answer` may be served for `key`, looked up at feed position
-    /// `looked_at`: never older than this process served (floor.rs).
-    /// Answers marked stale say they are.
+    /// `looked_at`: never older than this process served (floor.rs), a
+    /// stale copy no more than a fresh one.
     fn admitted(&self, key: &S::Key, answer: &Answer, looked_at: u64) -> bool {
-        answer.served == Served::Stale || self.ctx.floors.admits(key, answer.entry(), looked_at)
+        if answer.served == Served::Stale {
+            self.ctx.floors.admits_stale(key, answer.entry())
+        } else {
+            self.ctx.floors.admits(key, answer.entry(), looked_at)
+        }
     }
 
     async fn answer_after_look_up(
@@ -720,6 +721,14 @@ impl<S: Source> ReadPath<S> {
                 return Answer::new(entry, Served::Hit);
             }
             Verdict::Fresh(_) => {
+                metrics::floor_miss();
+                below_floor = true;
+            }
+            // A stale copy older than what this process served is a miss
+            // as well.
+            Verdict::Backoff(entry) | Verdict::StaleInGrace(entry)
+                if !self.ctx.floors.admits_stale(&key, &entry) =>
+            {
                 metrics::floor_miss();
                 below_floor = true;
             }
@@ -832,7 +841,7 @@ impl<S: Source> ReadPath<S> {
         match looked {
             Ok(entry) => {
                 let absent = entry.is_none();
-                let verdict = judge(entry, now, grace, self.ctx.cutoff());
+                let verdict = self.ctx.judge(entry, now, grace);
                 (verdict, Looked { redis_up, absent })
             }
             // Redis known down: straight to the source (still one load per

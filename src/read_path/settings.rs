@@ -152,6 +152,13 @@ pub struct Hooks {
     /// says to, neither applied to Redis nor put on the stream, and goes on
     /// as if it had applied it.
     pub lose_change: Option<std::sync::Arc<dyn Fn(i64, u64) -> bool + Send + Sync>>,
+    /// A deliberate defect, for the coherence checker to find: no floors
+    /// (floor.rs), so a process may serve an older version than it served.
+    pub no_floors: bool,
+    /// A deliberate defect, for the coherence checker to find: the decoder
+    /// beats "nothing behind" without proving it (liveness.rs), as it did
+    /// before: blind to a connection that went silent.
+    pub blind_decoder: bool,
 }
 
 /// An async callback run at a point of the protocol, given the value key.
@@ -168,6 +175,8 @@ impl std::fmt::Debug for Hooks {
             .field("wait_ended", &self.wait_ended.is_some())
             .field("after_load", &self.after_load.is_some())
             .field("lose_change", &self.lose_change.is_some())
+            .field("no_floors", &self.no_floors)
+            .field("blind_decoder", &self.blind_decoder)
             .finish()
     }
 }

@@ -17,7 +17,7 @@ use std::{
 use super::{
     answer::{Answer, Outcome, ReadError, Served},
     context::Context,
-    freshness::{judge, Verdict},
+    freshness::Verdict,
     leader::{self, lock_token, Leader},
     machine::{End, Event, FlightMachine, Led, Step, WaitEnd},
     settings::Wake,
@@ -221,7 +221,7 @@ impl<'a, S: Source> Coordinator<'a, S> {
     }
 
     fn judge(&self, entry: Option<Entry>) -> Verdict {
-        judge(entry, now_millis(), Duration::ZERO, self.ctx.cutoff())
+        self.ctx.judge(entry, now_millis(), Duration::ZERO)
     }
 
     /// Sleeps until something worth a look happens, or the deadline: the

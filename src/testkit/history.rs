@@ -26,10 +26,10 @@
 //!   position at or past the one a writer read after committing a version
 //!   newer than the answer's.
 //!
-//! Reads the service marked stale (`X-Cache: stale`: a fail-safe copy
-//! while loads fail, or a stale-while-revalidate answer) say so to their
-//! client: they are counted apart, and judged for phantoms and
-//! resurrections only.
+//! Reads the service marked stale (`X-Cache: stale`, or listed in a batch's
+//! `stale`: a fail-safe copy while loads fail, or a stale-while-revalidate
+//! answer) say so to their client: they are counted apart, and judged for
+//! phantoms, resurrections and regressions, not staleness.
 //!
 //! Requests that got no answer to judge (a 5xx, a refused or cut
 //! connection) are [`Unjudged`]: counted by class, inside and outside the
@@ -517,10 +517,13 @@ pub fn check(history: &History, reads: &[Read], windows: &[Window], bounds: Boun
         if read.served == Served::Stale {
             verdict.marked_stale += 1;
             verdict.marked_stale_old += usize::from(stale > Duration::ZERO);
-            // Older, but never a deleted post's old body.
+            // Older, but never a deleted post's old body once the deletion
+            // is past the staleness bound in force (until then the cache
+            // may not have heard of it).
+            let bound = window.map_or(bounds.normal, |w| windows[w].bound);
             let deleted = versions[i + 1..]
                 .iter()
-                .find(|v| !v.exists && v.committed < read.began);
+                .find(|v| !v.exists && read.began.saturating_sub(v.committed) > bound);
             if let (Seen::Found(_), Some(deletion)) = (read.seen, deleted) {
                 verdict.violations.push(Violation {
                     read: r,
@@ -530,6 +533,8 @@ pub fn check(history: &History, reads: &[Read], windows: &[Window], bounds: Boun
                     window,
                 });
             }
+            // Stale, but never older than what the process served before.
+            index[r] = Some((earliest(versions, read.seen, read.began, i, bound), i));
             continue;
         }
         let bound = match window {

@@ -208,3 +208,38 @@ async fn a_walsender_slowed_by_a_bulk_write_elsewhere_keeps_the_slot() {
         );
     }
 }
+
+/// Instance A loses its connection to PostgreSQL (the rest of the fleet
+/// keeps its own); a post changes. A's load of it fails, and A re-serves
+/// the last good copy, the version before the change, flagged as a backoff
+/// copy in Redis for FAILURE_TTL. B, whose own loads succeed, must not take
+/// A's failure for the fleet's and serve that old copy: it loads the post
+/// itself. (Seen in the coherence checker with the decoder's connections
+/// silenced: the other instances served A's copies, older than the versions
+/// they had served, for FAILURE_TTL.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_instances_failed_load_is_not_the_fleets_while_its_loads_succeed() {
+    let env = TestEnv::new(5).await;
+    env.retitle(3, "before").await;
+    let flags = ["--l1-max-bytes", "0", "--failure-ttl", "5s"];
+    let (proxy, a) = env.spawn_proxied(&flags).await;
+    let b = env.spawn(&flags).await;
+    crate::support::until_feed(&b.http, "up").await;
+    assert_eq!(a.http.title(3).await.as_deref(), Some("before"));
+
+    proxy.cut();
+    env.retitle(3, "after").await;
+    wait_until("the change to be applied", A_WHILE, async || {
+        env.stored(3).await.is_some_and(|e| e.is_invalidated())
+    })
+    .await;
+    // A cannot load: the last good copy, flagged for FAILURE_TTL.
+    let reply = a.http.get("/posts/3").await;
+    assert_eq!(reply.x_cache.as_deref(), Some("stale"), "{}", reply.text());
+    assert_eq!(reply.json()["title"], "before");
+    assert!(env.stored(3).await.is_some_and(|e| e.is_backoff()));
+    // B has just loaded something: its database answers.
+    assert_eq!(b.get("/posts/4").await.status, 200);
+    assert_eq!(b.http.title(3).await.as_deref(), Some("after"));
+    proxy.restore();
+}

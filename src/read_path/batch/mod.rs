@@ -75,6 +75,8 @@ pub(super) struct Batches<S: Source> {
     patience: Duration,
     /// When a statement last succeeded.
     answered: LoadProgress,
+    /// When a statement last failed (not for want of a connection).
+    failed: LoadProgress,
     /// A std mutex: held only to queue or take keys, never across an await.
     queue: Mutex<Queue<S::Key>>,
     /// Wakes statements waiting for expected keys when none is left.
@@ -103,6 +105,7 @@ impl<S: Source> Batches<S> {
             max_running: max_running.max(1),
             patience,
             answered: LoadProgress::default(),
+            failed: LoadProgress::default(),
             queue: Mutex::new(Queue {
                 waiting: VecDeque::new(),
                 running: 0,
@@ -151,6 +154,14 @@ impl<S: Source> Batches<S> {
                 self.arrived.notify_waiters();
             }
         }
+    }
+
+    /// Whether a statement succeeded within `window`, and none failed
+    /// since.
+    pub fn answered_within(&self, window: Duration) -> bool {
+        let now = tokio::time::Instant::now();
+        let since = now.checked_sub(window).unwrap_or(now);
+        self.answered.succeeded_since(since) && !self.failed.succeeded_since(since)
     }
 
     /// The source itself, for the loads that are never batched (the load
@@ -311,7 +322,12 @@ impl<S: Source> Batches<S> {
                 self.answered.succeeded();
                 Ok(found)
             }
-            Ok(Err(error)) => Err(Arc::new(error)),
+            Ok(Err(error)) => {
+                if !error.is::<Busy>() {
+                    self.failed.succeeded();
+                }
+                Err(Arc::new(error))
+            }
             // The panic hook has logged it; each key is answered a failure.
             Err(_) => Err(Arc::new(anyhow::anyhow!("the load's statement panicked"))),
         };
