@@ -25,6 +25,16 @@ const DOWN: Duration = Duration::from_secs(1);
 const STOPPED: Duration = Duration::from_secs(2);
 const PAUSED: Duration = Duration::from_secs(2);
 const REPLICA_PAUSED: Duration = Duration::from_secs(3);
+/// How long the decoding instance's PostgreSQL connections stay silent:
+/// past REPLICATION_TIMEOUT (4 s), so that nothing but the service's own
+/// deadlines ends them.
+const SILENCED: Duration = Duration::from_secs(6);
+/// How long a leader stays stopped: past LOCK_TTL (5 s), so that its claim
+/// expires and another leads before it resumes and finishes.
+const LEADER_STOPPED: Duration = Duration::from_secs(6);
+/// Rows of another table's bulk write (about 70 MB of WAL), which the
+/// walsender decodes for seconds before the changes behind it.
+const BULK_ROWS: u64 = 500_000;
 /// A fault is not begun unless this much of the run is left.
 const ROOM: Duration = Duration::from_secs(8);
 
@@ -40,10 +50,13 @@ pub enum Kind {
     ReplicaLagging,
     SlotDropped,
     InvalidateAll,
+    DecoderSilenced,
+    LeaderStopped,
+    SlowWalsender,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 10] = [
+    pub const ALL: [Kind; 13] = [
         Kind::DecoderKilled,
         Kind::InstanceKilled,
         Kind::InstanceStopped,
@@ -54,6 +67,9 @@ impl Kind {
         Kind::ReplicaLagging,
         Kind::SlotDropped,
         Kind::InvalidateAll,
+        Kind::DecoderSilenced,
+        Kind::LeaderStopped,
+        Kind::SlowWalsender,
     ];
 
     pub fn name(self) -> &'static str {
@@ -68,6 +84,9 @@ impl Kind {
             Kind::ReplicaLagging => "replica-lagging",
             Kind::SlotDropped => "slot-dropped",
             Kind::InvalidateAll => "invalidate-all",
+            Kind::DecoderSilenced => "decoder-silenced",
+            Kind::LeaderStopped => "leader-stopped",
+            Kind::SlowWalsender => "slow-walsender",
         }
     }
 
@@ -87,6 +106,15 @@ impl Kind {
             Kind::ReplicaLagging => "the standby's replay paused for 3 s (--replicas)",
             Kind::SlotDropped => "the replication slot dropped by hand",
             Kind::InvalidateAll => "postcache invalidate --all",
+            Kind::DecoderSilenced => {
+                "every PostgreSQL connection of the decoding instance silenced by its proxy (nothing forwarded, nothing closed) for 6 s"
+            }
+            Kind::LeaderStopped => {
+                "SIGSTOP of another instance while it loads, past LOCK_TTL (6 s), then SIGCONT"
+            }
+            Kind::SlowWalsender => {
+                "another table's bulk write (500,000 rows in one transaction): the walsender decodes it before the changes behind it"
+            }
         }
     }
 
@@ -118,13 +146,27 @@ impl Kind {
             // The gap is closed by a raise of the cutoff once the slot is
             // made again.
             Kind::SlotDropped => ms(2000),
+            // No beat is level from 0.5 s on; the decoder gives up (or a
+            // standby ends its walsender) and a standby decodes within
+            // about 3 s of the silence.
+            Kind::DecoderSilenced => ms(4000),
+            // Another instance: its stale leader's finish is fenced by its
+            // lost claim; nothing of the fleet's coherence changes.
+            Kind::LeaderStopped => args.bound,
+            // Set when it heals (see `run_schedule`): the feed is blind while
+            // the walsender decodes the bulk write, a bound no design of the
+            // consumer can shorten.
+            Kind::SlowWalsender => ms(0),
         }
     }
 
     /// Whether the fault means something in this setup.
     fn applies(self, args: &Args) -> bool {
         match self {
-            Kind::DecoderKilled | Kind::SlotDropped => args.change_feed == "replication",
+            Kind::DecoderKilled
+            | Kind::SlotDropped
+            | Kind::DecoderSilenced
+            | Kind::SlowWalsender => args.change_feed == "replication",
             Kind::ReplicaLagging => args.replicas,
             _ => true,
         }
@@ -210,12 +252,19 @@ pub async fn run_schedule(
                 .unhealed
                 .push(format!("{} ({what}): {why:#}", kind.name()));
         }
+        let bound = match kind {
+            // The walsender's decoding time, as it was: from the write's
+            // start until the fleet served a change made after it, and the
+            // normal bound past that.
+            Kind::SlowWalsender => healed.saturating_sub(injected) + args.bound,
+            _ => kind.bound(&args),
+        };
         schedule.windows.push(Window {
             kind: kind.name(),
             what,
             injected,
             healed,
-            bound: kind.bound(&args),
+            bound,
         });
         tokio::time::sleep(Duration::from_secs(args.quiet)).await;
     }
@@ -368,6 +417,64 @@ async fn inject(
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+        }
+        Kind::DecoderSilenced => {
+            let Some(i) = fleet.decoder().await else {
+                return Ok("no instance decodes: nothing silenced".into());
+            };
+            let proxy = &fleet.instances[i].pg_proxy;
+            proxy.stall(true);
+            tokio::time::sleep(SILENCED).await;
+            proxy.stall(false);
+            format!("instance {i}, the decoder, for {} s", SILENCED.as_secs())
+        }
+        Kind::LeaderStopped => {
+            let decoder = fleet.decoder().await;
+            let others: Vec<usize> = (0..instances).filter(|i| Some(*i) != decoder).collect();
+            let Some(&fallback) = others.get(rng.random_range(0..others.len().max(1))) else {
+                return Ok("no instance but the decoder: nothing stopped".into());
+            };
+            // One with a load in flight, if one comes within a second.
+            let started = Instant::now();
+            let mut chosen = None;
+            while chosen.is_none() && started.elapsed() < Duration::from_secs(1) {
+                for &i in &others {
+                    if fleet.metric(i, "postcache_flights_in_progress").await > Some(0.0) {
+                        chosen = Some(i);
+                        break;
+                    }
+                }
+            }
+            let i = chosen.unwrap_or(fallback);
+            fleet.signal(i, "STOP");
+            tokio::time::sleep(LEADER_STOPPED).await;
+            fleet.signal(i, "CONT");
+            format!(
+                "instance {i}{} for {} s",
+                if chosen.is_some() { ", loading," } else { "" },
+                LEADER_STOPPED.as_secs()
+            )
+        }
+        Kind::SlowWalsender => {
+            let started = Instant::now();
+            sqlx::query("create table if not exists coherence_bulk (id bigint, pad text)")
+                .execute(&fleet.env.admin)
+                .await?;
+            sqlx::query(
+                "insert into coherence_bulk
+                 select n, repeat('x', 100) from generate_series(1, $1) n",
+            )
+            .bind(BULK_ROWS as i64)
+            .execute(&fleet.env.admin)
+            .await?;
+            // Kept small: the next one writes as much again.
+            sqlx::query("truncate coherence_bulk")
+                .execute(&fleet.env.admin)
+                .await?;
+            format!(
+                "{BULK_ROWS} rows written in {:.1} s",
+                started.elapsed().as_secs_f64()
+            )
         }
         Kind::InvalidateAll => {
             let binary = args.binary.clone().unwrap_or_else(ServiceProcess::binary);

@@ -1,6 +1,7 @@
 //! The checker's fleet: a private PostgreSQL (and standby), a private
 //! Redis, and the instances, each a process on a port of its own that a
-//! restart keeps, reaching Redis through a proxy of the checker's.
+//! restart keeps, reaching Redis and PostgreSQL through proxies of the
+//! checker's (which cut or silence their connections).
 
 use std::{
     path::PathBuf,
@@ -28,11 +29,13 @@ pub struct Target {
     pub client: reqwest::Client,
 }
 
-/// One instance: its port, its proxy to Redis, its current process.
+/// One instance: its port, its proxies to Redis and to the primary, its
+/// current process.
 pub struct Instance {
     pub target: Target,
     port: u16,
     pub proxy: TcpProxy,
+    pub pg_proxy: TcpProxy,
     process: Mutex<Option<Child>>,
 }
 
@@ -74,6 +77,7 @@ impl Fleet {
         for index in 0..args.instances {
             let port = free_port();
             let proxy = TcpProxy::start(([127, 0, 0, 1], redis.port).into()).await;
+            let pg_proxy = TcpProxy::start(([127, 0, 0, 1], primary.port).into()).await;
             let base = format!("http://127.0.0.1:{port}");
             let client = reqwest::Client::builder()
                 .timeout(Duration::from_secs(10))
@@ -88,6 +92,7 @@ impl Fleet {
                 },
                 port,
                 proxy,
+                pg_proxy,
                 process: Mutex::new(None),
             });
         }
@@ -136,9 +141,10 @@ impl Fleet {
             .create(true)
             .append(true)
             .open(self.log_dir.join(format!("instance-{i}.log")))?;
-        let (program, first) = match self.args.lose_changes {
-            Some(_) => (std::env::current_exe()?, "instance"),
-            None => (
+        let defective = self.args.lose_changes.is_some() || !self.args.defects.is_empty();
+        let (program, first) = match defective {
+            true => (std::env::current_exe()?, "instance"),
+            false => (
                 self.args
                     .binary
                     .clone()
@@ -150,7 +156,13 @@ impl Fleet {
         command
             .arg(first)
             .env("LISTEN_ADDR", format!("127.0.0.1:{}", instance.port))
-            .env("DATABASE_URL", self.db_url())
+            .env(
+                "DATABASE_URL",
+                format!(
+                    "postgres://postgres@{}/{}",
+                    instance.pg_proxy.addr, self.env.db_name
+                ),
+            )
             .env("REDIS_URL", format!("redis://{}", instance.proxy.addr))
             .env("KEY_PREFIX", &self.env.prefix)
             .env("NO_MIGRATE", "true")
@@ -167,6 +179,9 @@ impl Fleet {
         }
         if let Some(every) = self.args.lose_changes {
             command.env(LOSE_CHANGES, every.to_string());
+        }
+        if !self.args.defects.is_empty() {
+            command.env(DEFECTS, self.args.defects.join(","));
         }
         for setting in &self.args.set {
             let (name, value) = setting
@@ -370,10 +385,13 @@ impl Drop for Fleet {
 /// The environment variable that tells an instance of this program to lose
 /// one change in N.
 const LOSE_CHANGES: &str = "COHERENCE_LOSE_CHANGES";
+/// The environment variable that names its other defects (`--defect`).
+const DEFECTS: &str = "COHERENCE_DEFECTS";
 
 /// `coherence instance`: the service, with its settings from the
-/// environment as `postcache serve` takes them, and the defect of
-/// COHERENCE_LOSE_CHANGES through the testkit's hooks.
+/// environment as `postcache serve` takes them, and the defects of
+/// COHERENCE_LOSE_CHANGES and COHERENCE_DEFECTS through the testkit's
+/// hooks.
 pub fn run_instance() -> anyhow::Result<()> {
     use clap::Parser;
     use postcache::{
@@ -385,26 +403,36 @@ pub fn run_instance() -> anyhow::Result<()> {
     let Command::Serve(args) = cli.command else {
         unreachable!("serve was asked for")
     };
-    let every: u64 = std::env::var(LOSE_CHANGES)
-        .context(LOSE_CHANGES)?
-        .parse()
-        .context(LOSE_CHANGES)?;
-    anyhow::ensure!(every > 0, "{LOSE_CHANGES} must be at least 1");
+    let every: Option<u64> = match std::env::var(LOSE_CHANGES) {
+        Ok(every) => Some(every.parse().context(LOSE_CHANGES)?),
+        Err(_) => None,
+    };
+    anyhow::ensure!(every != Some(0), "{LOSE_CHANGES} must be at least 1");
+    let defects = std::env::var(DEFECTS).unwrap_or_default();
+    let defects: Vec<&str> = defects.split(',').filter(|d| !d.is_empty()).collect();
     postcache::telemetry::init(cli.log_format);
     postcache::startup::install_tls_provider();
-    tracing::warn!(
-        every,
-        "a deliberate defect: the decoder loses one change in {every}"
-    );
-    let hooks = Hooks {
-        lose_change: Some(Arc::new(move |id: i64, lsn: u64| {
+    let lose_change = every.map(|every| {
+        tracing::warn!(
+            every,
+            "a deliberate defect: the decoder loses one change in {every}"
+        );
+        Arc::new(move |id: i64, lsn: u64| {
             let lost = xxhash_rust::xxh3::xxh3_64(&[id.to_le_bytes(), lsn.to_le_bytes()].concat())
                 .is_multiple_of(every);
             if lost {
                 tracing::warn!(id, lsn, "change lost on purpose");
             }
             lost
-        })),
+        }) as Arc<dyn Fn(i64, u64) -> bool + Send + Sync>
+    });
+    for defect in &defects {
+        tracing::warn!(defect, "a deliberate defect");
+    }
+    let hooks = Hooks {
+        lose_change,
+        no_floors: defects.contains(&"no-floors"),
+        blind_decoder: defects.contains(&"blind-decoder"),
         ..Hooks::default()
     };
     tokio::runtime::Builder::new_multi_thread()

@@ -26,9 +26,10 @@
 //!   in force, regressions on one process, and the fleet's convergence once
 //!   the writes stop. The exit status is 1 on any violation.
 //!
-//! With `--lose-changes N` the instances are this program itself, running
-//! the service with a deliberate defect through the testkit's hooks (the
-//! decoder loses one change in N): the checker must report it.
+//! With `--lose-changes N` or `--defect` the instances are this program
+//! itself, running the service with a deliberate defect through the
+//! testkit's hooks (the decoder loses one change in N; no floors; a decoder
+//! that beats unproven): the checker must report it.
 
 mod faults;
 mod fleet;
@@ -106,6 +107,15 @@ pub struct Args {
     /// A deliberate defect: the decoder loses one change in N.
     #[arg(long)]
     pub lose_changes: Option<u64>,
+    /// A deliberate defect of the instances (repeatable): `no-floors` (a
+    /// process may go back in time), `blind-decoder` (the decoder beats
+    /// "nothing behind" unproven). The checker must fail.
+    #[arg(long = "defect", value_parser = ["no-floors", "blind-decoder"])]
+    pub defects: Vec<String>,
+    /// The share of single reads that ask for no staleness at all
+    /// (`PostCache-Max-Staleness: 0ms`, answered past the cache).
+    #[arg(long, default_value_t = 0.1)]
+    pub max_staleness_share: f64,
     /// The staleness allowed outside faults.
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     pub bound: Duration,
@@ -225,13 +235,13 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let reader_tasks: Vec<_> = (0..args.readers)
         .map(|r| {
             let reader = readers::Reader::new(
-                r,
                 fleet.targets(),
                 args.posts,
                 clock,
                 StdRng::seed_from_u64(seed ^ (0x5265_6164 + r as u64)),
                 args.reads_per_second as f64 / args.readers as f64,
                 ryw.clone(),
+                args.max_staleness_share,
             );
             tokio::spawn(reader.run(stop.clone()))
         })

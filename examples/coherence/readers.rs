@@ -148,17 +148,19 @@ pub struct Reader {
     ryw: Option<Ryw>,
     /// The latest position of a version this reader has seen.
     session: u64,
+    /// The share of single reads asking for no staleness at all.
+    max_staleness_share: f64,
 }
 
 impl Reader {
     pub fn new(
-        _index: usize,
         targets: Vec<Target>,
         posts: i64,
         clock: Clock,
         rng: StdRng,
         per_second: f64,
         ryw: Option<Ryw>,
+        max_staleness_share: f64,
     ) -> Self {
         Self {
             targets,
@@ -168,6 +170,7 @@ impl Reader {
             every: Duration::from_secs_f64(1.0 / per_second.max(0.1)),
             ryw,
             session: 0,
+            max_staleness_share: max_staleness_share.clamp(0.0, 1.0),
         }
     }
 
@@ -212,6 +215,19 @@ impl Reader {
                     self.session = self.session.max(ryw.position_of(id, read.seen));
                 }
                 ryw.record(read, min_lsn, false, met);
+            } else if self.rng.random_bool(self.max_staleness_share) {
+                // No staleness at all: past the cache, and what this
+                // instance serves after it must be no older.
+                let id = self.zipf.sample(&mut self.rng);
+                let path = format!("/posts/{id}");
+                let headers = [("PostCache-Max-Staleness", "0ms")];
+                if let Some(a) =
+                    get_with(target, &path, None, &headers, self.clock, &mut errors).await
+                {
+                    if let Some(read) = judged(target, id, a, &mut errors) {
+                        reads.push(read);
+                    }
+                }
             } else {
                 let id = self.zipf.sample(&mut self.rng);
                 if let Some(read) = read_one(target, id, self.clock, &mut errors).await {
@@ -245,6 +261,7 @@ async fn get_with(
     target: &Target,
     path: &str,
     min_lsn: Option<u64>,
+    headers: &[(&str, &str)],
     clock: Clock,
     errors: &mut Errors,
 ) -> Option<Answered> {
@@ -253,6 +270,9 @@ async fn get_with(
     let mut request = target.client.get(format!("{}{path}", target.base));
     if let Some(lsn) = min_lsn {
         request = request.header("PostCache-Min-LSN", format_lsn(lsn));
+    }
+    for (name, value) in headers {
+        request = request.header(*name, *value);
     }
     let response = match request.send().await {
         Ok(response) => response,
@@ -330,7 +350,14 @@ pub async fn read_one_at(
     clock: Clock,
     errors: &mut Errors,
 ) -> Option<(Read, bool)> {
-    let a = get_with(target, &format!("/posts/{id}"), min_lsn, clock, errors).await?;
+    let a = get_with(target, &format!("/posts/{id}"), min_lsn, &[], clock, errors).await?;
+    let past = a.past;
+    Some((judged(target, id, a, errors)?, past))
+}
+
+/// The read of post `id` an answer is, or `None` (counted) for an answer
+/// that cannot be judged.
+fn judged(target: &Target, id: i64, a: Answered, errors: &mut Errors) -> Option<Read> {
     let seen = match a.status {
         200 => match serde_json::from_slice(&a.bytes) {
             Ok(json) => seen(id, &json),
@@ -342,20 +369,17 @@ pub async fn read_one_at(
             return None;
         }
     };
-    Some((
-        Read {
-            post: id,
-            instance: target.index,
-            incarnation: a.incarnation,
-            began: a.began,
-            ended: a.ended,
-            seen,
-            served: a.served,
-            batch: false,
-            lsn: a.lsn,
-        },
-        a.past,
-    ))
+    Some(Read {
+        post: id,
+        instance: target.index,
+        incarnation: a.incarnation,
+        began: a.began,
+        ended: a.ended,
+        seen,
+        served: a.served,
+        batch: false,
+        lsn: a.lsn,
+    })
 }
 
 /// Reads `ids` in one batch, asking for every commit up to `min_lsn` when
@@ -373,6 +397,7 @@ async fn read_batch(
         target,
         &format!("/posts?ids={list}"),
         min_lsn,
+        &[],
         clock,
         errors,
     )
@@ -388,6 +413,12 @@ async fn read_batch(
         errors.count(a.began, target, "batch body unreadable");
         return;
     };
+    let stale: Vec<i64> = json["stale"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_i64)
+        .collect();
     let read = |post: i64, seen: Seen| Read {
         post,
         instance: target.index,
@@ -395,7 +426,9 @@ async fn read_batch(
         began: a.began,
         ended: a.ended,
         seen,
-        served: if a.past {
+        served: if stale.contains(&post) {
+            Served::Stale
+        } else if a.past {
             Served::Bypass
         } else {
             Served::Other

@@ -152,6 +152,10 @@ impl Report<'_> {
         if let Some(n) = a.lose_changes {
             let _ = write!(c, " --lose-changes {n}");
         }
+        for d in &a.defects {
+            let _ = write!(c, " --defect {d}");
+        }
+        let _ = write!(c, " --max-staleness-share {}", a.max_staleness_share);
         for s in &a.set {
             let _ = write!(c, " --set {s}");
         }
@@ -245,9 +249,10 @@ impl Report<'_> {
             a.change_feed,
             a.cache_ttl,
             if a.replicas { ", a streaming standby as replica" } else { "" },
-            match a.lose_changes {
-                Some(n) => format!(", **a deliberate defect: the decoder loses one change in {n}**"),
-                None => String::new(),
+            match (a.lose_changes, a.defects.is_empty()) {
+                (Some(n), _) => format!(", **a deliberate defect: the decoder loses one change in {n}**"),
+                (None, false) => format!(", **a deliberate defect: {}**", a.defects.join(", ")),
+                (None, true) => String::new(),
             },
             a.posts,
             a.writers,
@@ -383,7 +388,11 @@ impl Report<'_> {
                     of.len(),
                     of.iter().map(|&i| v.windows[i].reads).sum::<usize>(),
                     ms(figures(|f| f.max_staleness)),
-                    ms(kind.bound(a)),
+                    ms(of
+                        .iter()
+                        .map(|&i| self.windows[i].bound)
+                        .max()
+                        .unwrap_or_default()),
                     ms(figures(|f| f.converged_after)),
                     of.iter().map(|&i| v.windows[i].regressions).sum::<usize>(),
                     stale_by,
