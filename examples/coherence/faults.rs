@@ -296,30 +296,13 @@ async fn inject(
             format!("instance {i}, the decoder")
         }
         Kind::InstanceKilled => {
-            let decoder = fleet.decoder().await;
-            let others: Vec<usize> = (0..instances).filter(|i| Some(*i) != decoder).collect();
-            let Some(&fallback) = others.get(rng.random_range(0..others.len().max(1))) else {
+            let Some((i, loading)) = loading_other(fleet, rng).await else {
                 return Ok("no instance but the decoder: nothing killed".into());
             };
-            // One with a load in flight, if one comes within a second.
-            let started = Instant::now();
-            let mut chosen = None;
-            while chosen.is_none() && started.elapsed() < Duration::from_secs(1) {
-                for &i in &others {
-                    if fleet.metric(i, "postcache_flights_in_progress").await > Some(0.0) {
-                        chosen = Some(i);
-                        break;
-                    }
-                }
-            }
-            let i = chosen.unwrap_or(fallback);
             fleet.kill(i);
             tokio::time::sleep(DOWN).await;
             fleet.start_instance(i).await?;
-            format!(
-                "instance {i}{}",
-                if chosen.is_some() { ", loading" } else { "" }
-            )
+            format!("instance {i}{}", if loading { ", loading" } else { "" })
         }
         Kind::InstanceStopped => {
             let i = rng.random_range(0..instances);
@@ -429,29 +412,15 @@ async fn inject(
             format!("instance {i}, the decoder, for {} s", SILENCED.as_secs())
         }
         Kind::LeaderStopped => {
-            let decoder = fleet.decoder().await;
-            let others: Vec<usize> = (0..instances).filter(|i| Some(*i) != decoder).collect();
-            let Some(&fallback) = others.get(rng.random_range(0..others.len().max(1))) else {
+            let Some((i, loading)) = loading_other(fleet, rng).await else {
                 return Ok("no instance but the decoder: nothing stopped".into());
             };
-            // One with a load in flight, if one comes within a second.
-            let started = Instant::now();
-            let mut chosen = None;
-            while chosen.is_none() && started.elapsed() < Duration::from_secs(1) {
-                for &i in &others {
-                    if fleet.metric(i, "postcache_flights_in_progress").await > Some(0.0) {
-                        chosen = Some(i);
-                        break;
-                    }
-                }
-            }
-            let i = chosen.unwrap_or(fallback);
             fleet.signal(i, "STOP");
             tokio::time::sleep(LEADER_STOPPED).await;
             fleet.signal(i, "CONT");
             format!(
                 "instance {i}{} for {} s",
-                if chosen.is_some() { ", loading," } else { "" },
+                if loading { ", loading," } else { "" },
                 LEADER_STOPPED.as_secs()
             )
         }
@@ -493,6 +462,26 @@ async fn inject(
             }
         }
     })
+}
+
+/// An instance other than the decoder, one with a load in flight if one
+/// comes within a second (and whether it had one); `None` when the decoder
+/// is the only instance.
+async fn loading_other(fleet: &Fleet, rng: &mut StdRng) -> Option<(usize, bool)> {
+    let decoder = fleet.decoder().await;
+    let others: Vec<usize> = (0..fleet.instances.len())
+        .filter(|i| Some(*i) != decoder)
+        .collect();
+    let fallback = *others.get(rng.random_range(0..others.len().max(1)))?;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(1) {
+        for &i in &others {
+            if fleet.metric(i, "postcache_flights_in_progress").await > Some(0.0) {
+                return Some((i, true));
+            }
+        }
+    }
+    Some((fallback, false))
 }
 
 /// Pauses or resumes a standby's replay.

@@ -21,3 +21,29 @@ pub struct Post {
     pub created_at: Timestamp,
     pub updated_at: Timestamp,
 }
+
+/// A post's columns in a row that may have none (a left join's, or a row
+/// that carries only a position).
+#[derive(Debug, sqlx::FromRow)]
+pub struct PostColumns {
+    id: Option<i64>,
+    title: Option<String>,
+    body: Option<String>,
+    author: Option<String>,
+    created_at: Option<Timestamp>,
+    updated_at: Option<Timestamp>,
+}
+
+impl PostColumns {
+    /// The post, when the row has one.
+    pub fn post(self) -> Option<Post> {
+        Some(Post {
+            id: self.id?,
+            title: self.title?,
+            body: self.body?,
+            author: self.author?,
+            created_at: self.created_at?,
+            updated_at: self.updated_at?,
+        })
+    }
+}

@@ -145,7 +145,7 @@ impl PostStore {
         .await
         .inspect(|_| self.answered.succeeded())?;
         let upto = rows.iter().map(|row| row.upto).max().unwrap_or(0);
-        let posts = rows.into_iter().filter_map(Positioned::post).collect();
+        let posts = rows.into_iter().filter_map(|row| row.post.post()).collect();
         Ok((posts, u64::try_from(upto).unwrap_or(0)))
     }
 
@@ -260,25 +260,8 @@ fn connection_lost(error: &sqlx::Error) -> bool {
 #[derive(sqlx::FromRow)]
 struct Positioned {
     upto: i64,
-    id: Option<i64>,
-    title: Option<String>,
-    body: Option<String>,
-    author: Option<String>,
-    created_at: Option<crate::posts::Timestamp>,
-    updated_at: Option<crate::posts::Timestamp>,
-}
-
-impl Positioned {
-    fn post(self) -> Option<Post> {
-        Some(Post {
-            id: self.id?,
-            title: self.title?,
-            body: self.body?,
-            author: self.author?,
-            created_at: self.created_at?,
-            updated_at: self.updated_at?,
-        })
-    }
+    #[sqlx(flatten)]
+    post: crate::posts::PostColumns,
 }
 
 /// The read path loads a post as its JSON body, `None` when absent.

@@ -184,12 +184,8 @@ pub(super) struct Positioned {
 struct Row {
     replay_lsn: i64,
     after_lsn: i64,
-    post_id: Option<i64>,
-    post_title: Option<String>,
-    post_body: Option<String>,
-    post_author: Option<String>,
-    post_created_at: Option<crate::posts::Timestamp>,
-    post_updated_at: Option<crate::posts::Timestamp>,
+    #[sqlx(flatten)]
+    post: crate::posts::PostColumns,
 }
 
 /// The posts `ids` with the position the server had replayed (a standby)
@@ -203,7 +199,9 @@ pub(super) async fn read_positioned(pool: &PgPool, ids: &[i64]) -> Result<Positi
                 (case when pg_is_in_recovery()
                       then coalesce(pg_last_wal_replay_lsn(), '0/0'::pg_lsn)
                       else pg_current_wal_insert_lsn() end - '0/0'::pg_lsn)::bigint as after_lsn,
-                post_id, post_title, post_body, post_author, post_created_at, post_updated_at
+                post_id as id, post_title as title, post_body as body,
+                post_author as author, post_created_at as created_at,
+                post_updated_at as updated_at
          from postcache_read_posts($1)",
     )
     .bind(ids)
@@ -214,19 +212,7 @@ pub(super) async fn read_positioned(pool: &PgPool, ids: &[i64]) -> Result<Positi
         .map(|row| (row.replay_lsn, row.after_lsn))
         .ok_or_else(|| sqlx::Error::Protocol("no replay position".into()))?;
     let after = rows.iter().map(|row| row.after_lsn).max().unwrap_or(after);
-    let posts = rows
-        .into_iter()
-        .filter_map(|row| {
-            Some(Post {
-                id: row.post_id?,
-                title: row.post_title?,
-                body: row.post_body?,
-                author: row.post_author?,
-                created_at: row.post_created_at?,
-                updated_at: row.post_updated_at?,
-            })
-        })
-        .collect();
+    let posts = rows.into_iter().filter_map(|row| row.post.post()).collect();
     Ok(Positioned {
         before: u64::try_from(replayed).unwrap_or(0),
         after: u64::try_from(after).unwrap_or(0),

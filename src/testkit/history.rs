@@ -826,6 +826,17 @@ mod tests {
         converge: Duration::from_millis(1000),
     };
 
+    /// Redis paused from `injected` to `healed` (ms), with a 3 s bound.
+    fn paused(injected: u64, healed: u64) -> Window {
+        Window {
+            kind: "redis paused",
+            what: String::new(),
+            injected: ms(injected),
+            healed: ms(healed),
+            bound: ms(3000),
+        }
+    }
+
     fn problems(reads: &[Read], windows: &[Window]) -> Vec<Problem> {
         check(&history(), reads, windows, BOUNDS)
             .violations
@@ -906,13 +917,7 @@ mod tests {
 
     #[test]
     fn a_fault_window_lends_its_bound_until_it_has_converged() {
-        let windows = [Window {
-            kind: "redis paused",
-            what: String::new(),
-            injected: ms(120),
-            healed: ms(600),
-            bound: ms(3000),
-        }];
+        let windows = [paused(120, 600)];
         // 140 ms stale in the window: within its bound, and counted for it.
         let reads = [read(250, 251, Seen::Found(0))];
         let verdict = check(&history(), &reads, &windows, BOUNDS);
@@ -1000,13 +1005,7 @@ mod tests {
 
     #[test]
     fn a_regression_under_a_fault_is_a_violation_too() {
-        let windows = [Window {
-            kind: "redis paused",
-            what: String::new(),
-            injected: ms(100),
-            healed: ms(600),
-            bound: ms(3000),
-        }];
+        let windows = [paused(100, 600)];
         let newer = read(115, 120, Seen::Found(1));
         let older = read(121, 125, Seen::Found(0));
         let verdict = check(&history(), &[newer, older], &windows, BOUNDS);
@@ -1035,13 +1034,7 @@ mod tests {
 
     #[test]
     fn unjudged_requests_are_told_apart_by_window_and_class() {
-        let windows = [Window {
-            kind: "redis paused",
-            what: String::new(),
-            injected: ms(100),
-            healed: ms(600),
-            bound: ms(3000),
-        }];
+        let windows = [paused(100, 600)];
         let at = |t: u64, class: &str| Unjudged {
             at: ms(t),
             instance: 0,

@@ -812,42 +812,28 @@ async fn on_a_server_without_logical_decoding_auto_is_the_trigger_mode() {
     assert_eq!(asked.get("/posts/1").await.status, 200);
 }
 
-/// PostgreSQL hands a commit to logical decoding once its record is
-/// flushed, a moment before new snapshots see it; a synchronous standby
-/// holds it there until it confirms. Played here with a standby that never
-/// comes (`synchronous_standby_names = 'nobody'`): the write's session
-/// waits, committed but not visible, while a read misses and loads the
-/// post. Were the change applied meanwhile, that load would read the old
-/// row after it and store it, and the post would read old until
-/// CACHE_TTL; the decoder applies it only once it is visible, so the post
-/// reads new soon after the wait is cancelled.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_commit_decoded_before_it_is_visible_is_not_hidden_by_a_load_of_the_old_row() {
-    let Some((_primary, env)) = on_a_private_primary(&[
-        "alter system set synchronous_standby_names = 'nobody'",
-        // Every other session commits without waiting for it.
-        "alter system set synchronous_commit = 'local'",
-    ])
-    .await
-    else {
-        return;
-    };
-    // No memory tier: every read after the change goes to Redis.
-    let mut args = REPLICATION_LONG_LIVED.to_vec();
-    args.extend(["--l1-max-bytes", "0"]);
-    let app = env.spawn(&args).await;
-    until_feed(&app.http, "up").await;
-    let old = app.http.title(3).await.expect("post 3");
+/// A synchronous standby that never comes: a session that asks for it
+/// waits at its commit, written and not visible; every other session
+/// commits without waiting for it.
+const WAITING_FOR_NOBODY: [&str; 2] = [
+    "alter system set synchronous_standby_names = 'nobody'",
+    "alter system set synchronous_commit = 'local'",
+];
 
+/// Retitles post 3 to "held by the standby" in a session whose commit waits
+/// for a synchronous standby that never comes (the server's
+/// `synchronous_standby_names = 'nobody'`): returns once the commit waits,
+/// written and not visible.
+async fn hold_a_commit(env: &TestEnv) -> tokio::task::JoinHandle<sqlx::Result<()>> {
     let mut writer = PgConnection::connect(&env.db_url).await.unwrap();
     let held = tokio::spawn(async move {
         sqlx::query("set synchronous_commit = on")
             .execute(&mut writer)
-            .await
-            .unwrap();
+            .await?;
         sqlx::query("update posts set title = 'held by the standby' where id = 3")
             .execute(&mut writer)
             .await
+            .map(drop)
     });
     wait_until("the commit to wait for the standby", A_WHILE, async || {
         sqlx::query_scalar::<_, i64>(
@@ -859,6 +845,41 @@ async fn a_commit_decoded_before_it_is_visible_is_not_hidden_by_a_load_of_the_ol
             == 1
     })
     .await;
+    held
+}
+
+/// Cancels the wait of [`hold_a_commit`]'s session: its commit stands
+/// (PostgreSQL warns that it is not replicated) and becomes visible.
+async fn release_held(env: &TestEnv, held: tokio::task::JoinHandle<sqlx::Result<()>>) {
+    sqlx::query("select pg_cancel_backend(pid) from pg_stat_activity where wait_event = 'SyncRep'")
+        .execute(&env.admin)
+        .await
+        .unwrap();
+    held.await.unwrap().expect("the update commits locally");
+}
+
+/// PostgreSQL hands a commit to logical decoding once its record is
+/// flushed, a moment before new snapshots see it; a synchronous standby
+/// holds it there until it confirms. Played here with a standby that never
+/// comes (`synchronous_standby_names = 'nobody'`): the write's session
+/// waits, committed but not visible, while a read misses and loads the
+/// post. Were the change applied meanwhile, that load would read the old
+/// row after it and store it, and the post would read old until
+/// CACHE_TTL; the decoder applies it only once it is visible, so the post
+/// reads new soon after the wait is cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_decoded_before_it_is_visible_is_not_hidden_by_a_load_of_the_old_row() {
+    let Some((_primary, env)) = on_a_private_primary(&WAITING_FOR_NOBODY).await else {
+        return;
+    };
+    // No memory tier: every read after the change goes to Redis.
+    let mut args = REPLICATION_LONG_LIVED.to_vec();
+    args.extend(["--l1-max-bytes", "0"]);
+    let app = env.spawn(&args).await;
+    until_feed(&app.http, "up").await;
+    let old = app.http.title(3).await.expect("post 3");
+
+    let held = hold_a_commit(&env).await;
     // Time for the decoder to read the commit, then reads while it is not
     // visible: the old title, and whatever they load is stored.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -867,13 +888,9 @@ async fn a_commit_decoded_before_it_is_visible_is_not_hidden_by_a_load_of_the_ol
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    sqlx::query("select pg_cancel_backend(pid) from pg_stat_activity where wait_event = 'SyncRep'")
-        .execute(&env.admin)
-        .await
-        .unwrap();
     // Cancelled, the commit stands (PostgreSQL warns that it is not
     // replicated) and becomes visible.
-    held.await.unwrap().expect("the update commits locally");
+    release_held(&env, held).await;
     let visible: String = sqlx::query_scalar("select title from posts where id = 3")
         .fetch_one(&env.admin)
         .await
@@ -891,38 +908,14 @@ async fn a_commit_decoded_before_it_is_visible_is_not_hidden_by_a_load_of_the_ol
 /// `PostCache-Min-LSN` was owed a version this answer did not have.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_read_past_the_cache_names_no_commit_it_does_not_reflect() {
-    let Some((_primary, env)) = on_a_private_primary(&[
-        "alter system set synchronous_standby_names = 'nobody'",
-        "alter system set synchronous_commit = 'local'",
-    ])
-    .await
-    else {
+    let Some((_primary, env)) = on_a_private_primary(&WAITING_FOR_NOBODY).await else {
         return;
     };
     let app = env.spawn(&REPLICATION_LONG_LIVED).await;
     until_feed(&app.http, "up").await;
     let old = app.http.title(3).await.expect("post 3");
 
-    let mut writer = PgConnection::connect(&env.db_url).await.unwrap();
-    let held = tokio::spawn(async move {
-        sqlx::query("set synchronous_commit = on")
-            .execute(&mut writer)
-            .await
-            .unwrap();
-        sqlx::query("update posts set title = 'held by the standby' where id = 3")
-            .execute(&mut writer)
-            .await
-    });
-    wait_until("the commit to wait for the standby", A_WHILE, async || {
-        sqlx::query_scalar::<_, i64>(
-            "select count(*) from pg_stat_activity where wait_event = 'SyncRep'",
-        )
-        .fetch_one(&env.admin)
-        .await
-        .unwrap()
-            == 1
-    })
-    .await;
+    let held = hold_a_commit(&env).await;
     // Past the held commit's record.
     let written: i64 =
         sqlx::query_scalar("select (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
@@ -950,10 +943,6 @@ async fn a_read_past_the_cache_names_no_commit_it_does_not_reflect() {
         "PostCache-LSN {said:?} names the held commit (written by {written})"
     );
 
-    sqlx::query("select pg_cancel_backend(pid) from pg_stat_activity where wait_event = 'SyncRep'")
-        .execute(&env.admin)
-        .await
-        .unwrap();
-    held.await.unwrap().expect("the update commits locally");
+    release_held(&env, held).await;
     read_within(&app.http, 3, "held by the standby", Duration::from_secs(2)).await;
 }
