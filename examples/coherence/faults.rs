@@ -107,7 +107,7 @@ impl Kind {
             Kind::SlotDropped => "the replication slot dropped by hand",
             Kind::InvalidateAll => "postcache invalidate --all",
             Kind::DecoderSilenced => {
-                "every PostgreSQL connection of the decoding instance silenced by its proxy (nothing forwarded, nothing closed) for 6 s"
+                "the decoding instance's replication connection silenced by its proxy (nothing forwarded, nothing closed) for 6 s; its other connections work"
             }
             Kind::LeaderStopped => {
                 "SIGSTOP of another instance while it loads, past LOCK_TTL (6 s), then SIGCONT"
@@ -406,10 +406,13 @@ async fn inject(
                 return Ok("no instance decodes: nothing silenced".into());
             };
             let proxy = &fleet.instances[i].pg_proxy;
-            proxy.stall(true);
+            proxy.stall_replication(true);
             tokio::time::sleep(SILENCED).await;
-            proxy.stall(false);
-            format!("instance {i}, the decoder, for {} s", SILENCED.as_secs())
+            proxy.stall_replication(false);
+            format!(
+                "instance {i}, the decoder: its replication connection, for {} s",
+                SILENCED.as_secs()
+            )
         }
         Kind::LeaderStopped => {
             let Some((i, loading)) = loading_other(fleet, rng).await else {

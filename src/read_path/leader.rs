@@ -359,6 +359,23 @@ impl<'a, S: Source> Leader<'a, S> {
             tracing::debug!(%key, "the cutoff was raised during the load: fenced");
             return Led::Fenced(too_large.unwrap_or(entry));
         }
+        // Another leader's entry, found in place of this one's claim (a
+        // change deleted the claim, another leader stored since): judged as
+        // any entry found, for a change may have invalidated it since too.
+        // Not an answer: elect again, as after a fence.
+        if published.raw() != entry.raw()
+            && published.status() != Status::TooLarge
+            && self
+                .ctx
+                .judge(Some(published.clone()), now_millis(), Duration::ZERO)
+                .settle(Served::Miss)
+                .is_none_or(|answer| answer.is_err())
+            && entry.status() != Status::Failed
+        {
+            metrics::fenced();
+            tracing::debug!(%key, "another leader's entry, no longer servable, in place of this claim: fenced");
+            return Led::Fenced(too_large.unwrap_or(entry));
+        }
         if entry.status() == Status::Failed && published.status() == Status::Found {
             tracing::warn!(%key, "load failed; serving the stored copy");
         }

@@ -32,11 +32,19 @@ pub struct TcpProxy {
     accept: JoinHandle<()>,
 }
 
-/// One connection through the proxy: its pumps, and whether its client
-/// ever sent a command that listens.
+/// One connection through the proxy: its pumps, and what its client sent.
 struct Piped {
     pumps: JoinHandle<()>,
-    listens: Arc<AtomicBool>,
+    seen: Arc<Seen>,
+}
+
+/// What a connection's client sent, as the proxy saw it.
+#[derive(Default)]
+struct Seen {
+    /// A Redis command that listens (SUBSCRIBE, SSUBSCRIBE, XREAD).
+    listens: AtomicBool,
+    /// A PostgreSQL startup packet that asks for a replication session.
+    replicates: AtomicBool,
 }
 
 impl TcpProxy {
@@ -55,9 +63,9 @@ impl TcpProxy {
                         continue;
                     }
                     let hold = hold.clone();
-                    let listens = Arc::new(AtomicBool::new(false));
+                    let seen = Arc::new(Seen::default());
                     let pumps = tokio::spawn({
-                        let listens = listens.clone();
+                        let seen = seen.clone();
                         async move {
                             let Ok(server) = TcpStream::connect(target).await else {
                                 return;
@@ -65,14 +73,14 @@ impl TcpProxy {
                             let (client_rx, client_tx) = client.into_split();
                             let (server_rx, server_tx) = server.into_split();
                             tokio::join!(
-                                pump(client_rx, server_tx, hold.clone(), Some(listens)),
-                                pump(server_rx, client_tx, hold, None)
+                                pump(client_rx, server_tx, hold.clone(), seen.clone(), true),
+                                pump(server_rx, client_tx, hold, seen, false)
                             );
                         }
                     });
                     let mut connections = connections.lock().unwrap();
                     connections.retain(|c| !c.pumps.is_finished());
-                    connections.push(Piped { pumps, listens });
+                    connections.push(Piped { pumps, seen });
                 }
             }
         });
@@ -101,7 +109,7 @@ impl TcpProxy {
         let mut connections = self.connections.lock().unwrap();
         let before = connections.len();
         connections.retain(|c| {
-            let listens = c.listens.load(Ordering::SeqCst);
+            let listens = c.seen.listens.load(Ordering::SeqCst);
             if listens {
                 c.pumps.abort();
             }
@@ -121,6 +129,13 @@ impl TcpProxy {
         self.hold.all.store(stalled, Ordering::SeqCst);
     }
 
+    /// Holds every byte, both ways, of the PostgreSQL replication sessions
+    /// (a silent replication connection: nothing forwarded, nothing
+    /// closed) until `stall_replication(false)`; other connections pass.
+    pub fn stall_replication(&self, stalled: bool) {
+        self.hold.replication.store(stalled, Ordering::SeqCst);
+    }
+
     /// Holds the bytes that carry a Redis SUBSCRIBE (or SSUBSCRIBE) until
     /// `hold_subscribes(false)`; everything else passes.
     pub fn hold_subscribes(&self, held: bool) {
@@ -133,6 +148,7 @@ impl TcpProxy {
 struct Hold {
     all: AtomicBool,
     subscribes: AtomicBool,
+    replication: AtomicBool,
 }
 
 impl Hold {
@@ -146,13 +162,13 @@ impl Hold {
 }
 
 /// Copies one direction of a connection, holding bytes as `hold` says;
-/// `listens`, on the client's side, is set once a command that listens
-/// passes.
+/// on the client's side (`client`), notes in `seen` what the client sent.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     hold: Arc<Hold>,
-    listens: Option<Arc<AtomicBool>>,
+    seen: Arc<Seen>,
+    client: bool,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -160,7 +176,7 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if let Some(listens) = &listens {
+        if client {
             let bytes = &buf[..n];
             let has = |word: &[u8]| {
                 bytes
@@ -168,10 +184,16 @@ async fn pump(
                     .any(|w| w.eq_ignore_ascii_case(word))
             };
             if has(b"subscribe") || has(b"xread") {
-                listens.store(true, Ordering::SeqCst);
+                seen.listens.store(true, Ordering::SeqCst);
+            }
+            // The startup packet's `replication` parameter.
+            if has(b"replication\0database\0") {
+                seen.replicates.store(true, Ordering::SeqCst);
             }
         }
-        while hold.holds(&buf[..n]) {
+        while hold.holds(&buf[..n])
+            || (hold.replication.load(Ordering::SeqCst) && seen.replicates.load(Ordering::SeqCst))
+        {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         if to.write_all(&buf[..n]).await.is_err() {

@@ -588,3 +588,84 @@ async fn a_finish_is_never_refused_by_an_open_breaker() {
     );
     assert!(env.stored(7).await.is_some(), "the finish stored the post");
 }
+
+/// A leader whose claim in the value key a change deleted finds, at its
+/// finish, another leader's entry in its place, and a later change has
+/// invalidated that entry since. The finish hands that entry back; the
+/// leader must not answer with it (it did: the finish's reply was served
+/// without being judged). It elects again and loads the row anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leader_never_answers_with_another_leaders_entry_that_a_change_invalidated() {
+    use fred::prelude::*;
+    use std::sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    };
+    let env = TestEnv::new(5).await;
+    env.retitle(2, "before").await;
+    // What another leader stored, which a change then marked invalidated
+    // (made in the hook: an entry read before the cutoff the feed's first
+    // start raises would be refused for that alone).
+    let body: &'static [u8] = br#"{"id":2,"title":"stored by another, then invalidated","body":"b","author":"a","created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z"}"#;
+    let armed = Arc::new(AtomicBool::new(true));
+    let hooks = postcache::read_path::Hooks {
+        after_load: Some(Arc::new({
+            let (admin, redis, value) = (env.admin.clone(), env.redis.clone(), env.keys.value(2));
+            let armed = armed.clone();
+            move |_key| {
+                let (admin, redis, value) = (admin.clone(), redis.clone(), value.clone());
+                let armed = armed.clone();
+                Box::pin(async move {
+                    if !armed.swap(false, Ordering::SeqCst) {
+                        return;
+                    }
+                    // A change, applied by the feed: it deletes this
+                    // leader's claim, and this instance forgets the post.
+                    sqlx::query("update posts set title = 'after' where id = 2")
+                        .execute(&admin)
+                        .await
+                        .unwrap();
+                    // Until the claim is deleted by the change (bounded).
+                    for _ in 0..3000 {
+                        let raw: Option<bytes::Bytes> = redis.get(&value).await.unwrap();
+                        if raw.is_none_or(|raw| !postcache::cache::is_claim(&raw)) {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    let _: () = redis
+                        .set(&value, theirs(body).raw().clone(), None, None, false)
+                        .await
+                        .unwrap();
+                })
+            }
+        })),
+        ..postcache::read_path::Hooks::default()
+    };
+    let app = env
+        .spawn_with_hooks(
+            &["--change-feed", "replication", "--l1-max-bytes", "0"],
+            hooks,
+        )
+        .await;
+    crate::support::until_feed(&app.http, "up").await;
+
+    let reply = app.get("/posts/2").await;
+
+    assert!(!armed.load(Ordering::SeqCst), "the hook ran");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["title"], "after", "{}", reply.text());
+}
+
+/// An entry another leader stored, with `body`, which a change then marked
+/// invalidated.
+fn theirs(body: &[u8]) -> Entry {
+    Entry::new(
+        Status::Found,
+        body,
+        Duration::from_secs(600),
+        Duration::ZERO,
+    )
+    .as_invalidated()
+}

@@ -300,9 +300,18 @@ impl Candidate {
             if session.judged.elapsed() >= BEAT_EVERY {
                 self.beat_behind(session, progress).await?;
             }
-            let text: String = sqlx::query_scalar("select pg_current_snapshot()::text")
-                .fetch_one(&self.visibility)
-                .await?;
+            // Bounded: a connection gone silent must end the session, not
+            // hold the decoder (and the slot) for as long as the kernel
+            // keeps the socket.
+            let query = sqlx::query_scalar("select pg_current_snapshot()::text")
+                .fetch_one(&self.visibility);
+            let text: String = match tokio::time::timeout(self.timeout, query).await {
+                Ok(text) => text?,
+                Err(_) => anyhow::bail!(
+                    "the primary's snapshot could not be read in {:?}",
+                    self.timeout
+                ),
+            };
             let snapshot = Snapshot::parse(&text)
                 .ok_or_else(|| anyhow::anyhow!("unreadable snapshot {text:?}"))?;
             if xids.iter().all(|&xid| snapshot.shows(xid)) {
