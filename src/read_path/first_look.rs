@@ -97,6 +97,7 @@ pub(super) async fn look_up_or_claim<S: Source>(
     let mut attempt = Attempt {
         ctx,
         lock: &keys.value,
+        channel: &keys.channel,
         token: &claim,
         answered: false,
     };

@@ -218,6 +218,8 @@ impl<K: Eq + Hash + Clone> Floors<K> {
         }
         if forced || (position != 0 && upto > position) {
             self.keep_served(key, entry);
+        } else {
+            self.supersede_served(key, entry);
         }
         if (position == 0 && !forced) || (position != 0 && upto <= position) {
             return false;
@@ -269,6 +271,25 @@ impl<K: Eq + Hash + Clone> Floors<K> {
             };
         }
         self.any_served.store(true, Ordering::SeqCst);
+    }
+
+    /// `entry`, an answer admitted for `key` and not ahead of the feed,
+    /// is no older than the version kept served for it: it takes its place
+    /// (else a stale copy of `entry`, which this process served, would be
+    /// refused for being another version than an older one).
+    fn supersede_served(&self, key: &K, entry: &Entry) {
+        if !self.any_served.load(Ordering::SeqCst) {
+            return;
+        }
+        let mut book = self.lock();
+        if let Some(served) = book.served.get_mut(key) {
+            if served.etag != entry.etag() {
+                *served = Served {
+                    etag: entry.etag(),
+                    set: Instant::now(),
+                };
+            }
+        }
     }
 
     /// Whether a stale copy (a fail-safe copy, a copy within the
@@ -468,6 +489,25 @@ mod tests {
         assert!(floors.admits_stale(&2, &looked_up("v1")));
         floors.raise(&3, &loaded("old", Instant::now(), 50), false);
         assert!(floors.admits_stale(&3, &looked_up("older")));
+    }
+
+    #[test]
+    fn a_version_served_after_the_feed_passed_one_kept_is_the_one_stale_copies_are_held_to() {
+        crate::cache::entry::process_epoch();
+        let floors = Floors::<i64>::default();
+        floors.advance(100);
+        // v2 loaded ahead of the feed, then the feed passes a delete: the
+        // tombstone, looked up and served, is what a stale copy may be.
+        floors.raise(&1, &loaded("v2", Instant::now(), 500), false);
+        floors.advance(900);
+        let tombstone = loaded("gone", Instant::now() - Duration::from_secs(1), 800);
+        assert!(floors.admits(&1, &tombstone, 900));
+        assert!(!floors.raise(&1, &tombstone, false));
+        assert!(floors.admits_stale(&1, &tombstone));
+        assert!(
+            !floors.admits_stale(&1, &looked_up("v2")),
+            "older than served"
+        );
     }
 
     #[test]

@@ -194,12 +194,20 @@ impl<'a, S: Source> Leader<'a, S> {
         }
     }
 
-    /// Lets go of a lock not used, and answers with `done`.
+    /// Lets go of a lock not used, and answers with `done`. `retry` is
+    /// published with it: a waiter elsewhere may be sleeping on this lock's
+    /// expiry, and what settled this leader (another's backoff copy, which
+    /// this process trusts while it has no loads of its own to go by) may
+    /// not settle that waiter, which must elect again now, not at
+    /// WAIT_TIMEOUT.
     async fn release(self, done: Outcome) -> Led {
         let release = OnLock {
             lock: &self.keys.lock,
             token: self.token,
-            op: LockOp::Release,
+            op: LockOp::Abandon {
+                channel: &self.keys.channel,
+                sharded: self.ctx.redis.sharded(),
+            },
         };
         match self.ctx.redis.eval(&release).await {
             Ok(_) => self.held.handed_over(),
@@ -412,6 +420,7 @@ pub(super) async fn claim<S: Source>(
     let mut attempt = Attempt {
         ctx,
         lock: &keys.lock,
+        channel: &keys.channel,
         token,
         answered: false,
     };
@@ -433,6 +442,7 @@ pub(super) async fn claim_value<S: Source>(
     let mut attempt = Attempt {
         ctx,
         lock: &keys.value,
+        channel: &keys.channel,
         token: claim,
         answered: false,
     };

@@ -16,6 +16,8 @@ use crate::redis::{with_backoff, LockOp, OnLock, RedisCommands};
 pub(super) struct Attempt<'a, S: Source> {
     pub ctx: &'a Context<S>,
     pub lock: &'a str,
+    /// The ready channel its waiters listen on.
+    pub channel: &'a str,
     pub token: &'a str,
     /// Redis answered (or the breaker refused: nothing went out).
     pub answered: bool,
@@ -24,7 +26,12 @@ pub(super) struct Attempt<'a, S: Source> {
 impl<S: Source> Drop for Attempt<'_, S> {
     fn drop(&mut self) {
         if !self.answered {
-            release_in_background(self.ctx, self.lock.to_owned(), self.token.to_owned());
+            abandon_in_background(
+                self.ctx,
+                self.lock.to_owned(),
+                self.channel.to_owned(),
+                self.token.to_owned(),
+            );
         }
     }
 }
@@ -85,21 +92,4 @@ pub(super) fn abandon(
         },
         runtime,
     );
-}
-
-/// Releases `lock` if it holds `token`, in the background, retried with
-/// backoff for up to LOCK_TTL; never refused by the breaker.
-pub(super) fn release_in_background<S: Source>(ctx: &Context<S>, lock: String, token: String) {
-    let redis = ctx.redis.clone();
-    let give_up = Instant::now() + ctx.settings.lock_ttl;
-    ctx.tasks.spawn(async move {
-        let release = OnLock {
-            lock: &lock,
-            token: &token,
-            op: LockOp::Release,
-        };
-        if let Ok(true) = with_backoff(give_up, || redis.eval(&release)).await {
-            tracing::info!(lock, "released a lock taken after its attempt gave up");
-        }
-    });
 }

@@ -243,7 +243,11 @@ impl<'a, S: Source> Coordinator<'a, S> {
         // publishing is replaced once its lock expires (+1 ms to be past it).
         // A claim in the value key lives as long as its leader's lock (and
         // an entry there, stored meanwhile, sends its message).
-        let lock = if self.in_value {
+        // The value key's lifetime is a leader's only while it holds a
+        // claim: once the last look found an entry there (one this flight
+        // cannot serve: invalidated, another's backoff copy), its TTL may
+        // be an hour, and the next election is in the lock key.
+        let lock = if self.in_value && self.claim_value {
             &keys.value
         } else {
             &keys.lock

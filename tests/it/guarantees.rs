@@ -669,3 +669,65 @@ fn theirs(body: &[u8]) -> Entry {
     )
     .as_invalidated()
 }
+
+/// A waiter that lost the election in the value key (another leader's
+/// claim there), then finds in its place an entry it cannot serve (here
+/// one a change invalidated; an instance whose loads succeed takes another
+/// instance's backoff copy so too). It slept on the value key's lifetime,
+/// an hour for such an entry, and answered 504 at WAIT_TIMEOUT; it now
+/// waits on the lock key, finds none, and leads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_that_finds_an_entry_it_cannot_serve_leads_instead_of_sleeping_on_it() {
+    use fred::prelude::*;
+    use std::sync::Arc;
+    let env = TestEnv::new(5).await;
+    let value = env.keys.value(3);
+    // Another leader's claim, as a first look would find it.
+    let claim = postcache::cache::claim_of("another");
+    let _: () = env
+        .redis
+        .set(
+            &value,
+            claim.as_str(),
+            Some(Expiration::PX(5_000)),
+            None,
+            false,
+        )
+        .await
+        .unwrap();
+    let hooks = postcache::read_path::Hooks {
+        before_recheck: Some(Arc::new({
+            let (redis, value) = (env.redis.clone(), value.clone());
+            move |_key| {
+                let (redis, value) = (redis.clone(), value.clone());
+                Box::pin(async move {
+                    // That leader stored since, and a change invalidated
+                    // what it stored (kept an hour as the fail-safe copy).
+                    let body: &'static [u8] = br#"{"id":3}"#;
+                    let _: () = redis
+                        .set(
+                            &value,
+                            theirs(body).raw().clone(),
+                            Some(Expiration::PX(3_600_000)),
+                            None,
+                            false,
+                        )
+                        .await
+                        .unwrap();
+                })
+            }
+        })),
+        ..postcache::read_path::Hooks::default()
+    };
+    let app = env.spawn_with_hooks(&["--change-feed", "off"], hooks).await;
+
+    let started = Instant::now();
+    let reply = app.get("/posts/3").await;
+
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "answered {:?} after",
+        started.elapsed()
+    );
+}
