@@ -153,6 +153,7 @@ impl Application {
             crate::changes::FeedTimeouts {
                 retention: args.change_retention,
                 replication: args.replication_timeout,
+                redis_replica: args.redis_replica_wait,
             },
             &c.key_prefix,
             read_path.clone(),

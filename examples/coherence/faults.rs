@@ -13,7 +13,10 @@ use anyhow::bail;
 use postcache::testkit::{history::Window, ServiceProcess};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng};
 
-use crate::{fleet::Fleet, Args, Clock};
+use crate::{
+    fleet::{Fleet, RedisReplica},
+    Args, Clock,
+};
 
 /// Before the first fault: the caches warm.
 const WARMUP: Duration = Duration::from_secs(3);
@@ -24,6 +27,8 @@ const HEAL_LIMIT: Duration = Duration::from_secs(60);
 const DOWN: Duration = Duration::from_secs(1);
 const STOPPED: Duration = Duration::from_secs(2);
 const PAUSED: Duration = Duration::from_secs(2);
+/// How long Redis's replica gets nothing before its primary dies.
+const REPLICA_STALLED: Duration = Duration::from_millis(500);
 const REPLICA_PAUSED: Duration = Duration::from_secs(3);
 /// How long the decoding instance's PostgreSQL connections stay silent:
 /// past REPLICATION_TIMEOUT (4 s), so that nothing but the service's own
@@ -53,10 +58,11 @@ pub enum Kind {
     DecoderSilenced,
     LeaderStopped,
     SlowWalsender,
+    RedisFailover,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 13] = [
+    pub const ALL: [Kind; 14] = [
         Kind::DecoderKilled,
         Kind::InstanceKilled,
         Kind::InstanceStopped,
@@ -70,6 +76,7 @@ impl Kind {
         Kind::DecoderSilenced,
         Kind::LeaderStopped,
         Kind::SlowWalsender,
+        Kind::RedisFailover,
     ];
 
     pub fn name(self) -> &'static str {
@@ -87,6 +94,7 @@ impl Kind {
             Kind::DecoderSilenced => "decoder-silenced",
             Kind::LeaderStopped => "leader-stopped",
             Kind::SlowWalsender => "slow-walsender",
+            Kind::RedisFailover => "redis-failover",
         }
     }
 
@@ -114,6 +122,9 @@ impl Kind {
             }
             Kind::SlowWalsender => {
                 "another table's bulk write (500,000 rows in one transaction): the walsender decodes it before the changes behind it"
+            }
+            Kind::RedisFailover => {
+                "Redis's replica stalled (its link forwards nothing, closes nothing) for 0.5 s, then the primary SIGKILLed and the replica promoted behind every instance's address (a moved virtual IP)"
             }
         }
     }
@@ -157,6 +168,10 @@ impl Kind {
             // the walsender decodes the bulk write, a bound no design of the
             // consumer can shorten.
             Kind::SlowWalsender => ms(0),
+            // The changes no replica acknowledged are applied again on the
+            // promoted one once the instances reach it; the memory tiers are
+            // emptied as the change stream's read fails.
+            Kind::RedisFailover => DOWN + ms(1000),
         }
     }
 
@@ -166,7 +181,8 @@ impl Kind {
             Kind::DecoderKilled
             | Kind::SlotDropped
             | Kind::DecoderSilenced
-            | Kind::SlowWalsender => args.change_feed == "replication",
+            | Kind::SlowWalsender
+            | Kind::RedisFailover => args.change_feed == "replication",
             Kind::ReplicaLagging => args.replicas,
             _ => true,
         }
@@ -324,7 +340,33 @@ async fn inject(
             redis.kill();
             tokio::time::sleep(DOWN).await;
             redis.restart().await;
+            // Its replica syncs again at once (see `RedisReplica::of`).
+            redis.cli(&["config", "set", "repl-diskless-sync-delay", "0"]);
             "restarted empty".into()
+        }
+        Kind::RedisFailover => {
+            let mut redis = fleet.redis.lock().await;
+            let mut standby = fleet.redis_replica.lock().await;
+            let Some(replica) = standby.take() else {
+                return Ok("no replica: nothing failed over".into());
+            };
+            replica.link.stall(true);
+            tokio::time::sleep(REPLICA_STALLED).await;
+            redis.kill();
+            let promoted = replica.server.cli(&["replicaof", "no", "one"]);
+            anyhow::ensure!(promoted == "OK", "REPLICAOF NO ONE: {promoted}");
+            for instance in &fleet.instances {
+                instance
+                    .proxy
+                    .retarget(([127, 0, 0, 1], replica.server.port).into());
+            }
+            *redis = replica.server;
+            // A replica for the next time.
+            *standby = Some(RedisReplica::of(&redis).await);
+            format!(
+                "replica stalled {:.1} s, primary killed, replica promoted",
+                REPLICA_STALLED.as_secs_f64()
+            )
         }
         Kind::RedisPaused => {
             let redis = fleet.redis.lock().await;

@@ -44,6 +44,9 @@ pub struct Fleet {
     pub primary: tokio::sync::Mutex<PgServer>,
     pub standby: Option<PgServer>,
     pub redis: tokio::sync::Mutex<RedisServer>,
+    /// Redis's replica, behind a link that can stall (the `redis-failover`
+    /// fault promotes it, and makes another).
+    pub redis_replica: tokio::sync::Mutex<Option<RedisReplica>>,
     /// The database, the key prefix, a pool and a Redis client of the
     /// checker's own.
     pub env: TestEnv,
@@ -51,6 +54,43 @@ pub struct Fleet {
     log_dir: PathBuf,
     /// The next version of the canary (see [`Fleet::until_healthy`]).
     canary_version: std::sync::atomic::AtomicU64,
+}
+
+/// A replica of the fleet's Redis, replicating through a proxy (its link)
+/// that can stall.
+pub struct RedisReplica {
+    pub server: RedisServer,
+    pub link: TcpProxy,
+}
+
+impl RedisReplica {
+    /// A replica of `primary`, once it has synced (or after a while).
+    pub async fn of(primary: &RedisServer) -> Self {
+        // The replica syncs at once (Redis waits 5 s by default for more
+        // replicas to share the transfer).
+        primary.cli(&["config", "set", "repl-diskless-sync-delay", "0"]);
+        let link = TcpProxy::start(([127, 0, 0, 1], primary.port).into()).await;
+        let port = link.addr.port().to_string();
+        // The file a full sync leaves behind is removed: promoted, then
+        // restarted, it would come back with what it held then.
+        let server = RedisServer::start_with(&[
+            "--replicaof",
+            "127.0.0.1",
+            &port,
+            "--rdb-del-sync-files",
+            "yes",
+        ])
+        .await;
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(10)
+            && !server
+                .cli(&["info", "replication"])
+                .contains("master_link_status:up")
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Self { server, link }
+    }
 }
 
 /// Longest an instance takes to answer /healthz after it is started.
@@ -100,6 +140,7 @@ impl Fleet {
             args: args.clone(),
             primary: tokio::sync::Mutex::new(primary),
             standby,
+            redis_replica: tokio::sync::Mutex::new(Some(RedisReplica::of(&redis).await)),
             redis: tokio::sync::Mutex::new(redis),
             env,
             instances,

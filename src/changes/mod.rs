@@ -82,6 +82,10 @@ pub struct FeedTimeouts {
     /// REPLICATION_TIMEOUT: how long the decoder may go unheard
     /// (replication: see `replication/liveness.rs`).
     pub replication: Duration,
+    /// REDIS_REPLICA_WAIT: how long the decoder waits for a Redis replica
+    /// to acknowledge what it applied (see `redis/replicas.rs`; 0: not
+    /// waited for).
+    pub redis_replica: Duration,
 }
 
 /// The feed of one process, and the cutoff's follower; both stop when it
@@ -106,6 +110,8 @@ struct Setup {
     beats: Arc<fanout::Beats>,
     /// REPLICATION_TIMEOUT.
     replication_timeout: Duration,
+    /// REDIS_REPLICA_WAIT.
+    redis_replica_wait: Duration,
 }
 
 impl Feed {
@@ -154,6 +160,7 @@ impl Feed {
             database: database.clone(),
             retention: timeouts.retention,
             replication_timeout: timeouts.replication,
+            redis_replica_wait: timeouts.redis_replica,
             key_prefix: key_prefix.to_owned(),
             read_path,
             pool: pool.clone(),
@@ -353,6 +360,7 @@ impl Setup {
             stream_key,
             beats: beats.clone(),
             timeout: self.replication_timeout,
+            replica_wait: self.redis_replica_wait,
         };
         let _connection = client.connect();
         let _reader = AbortOnDropHandle::new(tokio::spawn(reader.run()));

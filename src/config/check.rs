@@ -17,6 +17,10 @@ const MAX_TCP_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 /// 200 ms, and PostgreSQL must hear several within it.
 const MIN_REPLICATION_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// The longest REDIS_REPLICA_WAIT: while a replica does not answer, the
+/// decoder waits this long after each batch it applies.
+const MAX_REDIS_REPLICA_WAIT: Duration = Duration::from_secs(5);
+
 /// LOAD_TIMEOUT's margin over DB_STATEMENT_TIMEOUT when it is not set.
 const LOAD_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
 
@@ -171,6 +175,12 @@ impl ServeArgs {
         ] {
             at_most_a_year(name, d)?;
         }
+        anyhow::ensure!(
+            self.redis_replica_wait <= MAX_REDIS_REPLICA_WAIT,
+            "REDIS_REPLICA_WAIT ({}) must be at most {}: the decoder waits this long after each batch while a replica does not answer",
+            humantime::format_duration(self.redis_replica_wait),
+            humantime::format_duration(MAX_REDIS_REPLICA_WAIT)
+        );
         anyhow::ensure!(
             self.replication_timeout >= MIN_REPLICATION_TIMEOUT,
             "REPLICATION_TIMEOUT ({}) must be at least {}",

@@ -203,6 +203,14 @@ pub struct ServeArgs {
     #[arg(long, env = "REPLICATION_TIMEOUT", default_value = "4s", value_parser = parse_duration)]
     pub replication_timeout: Duration,
 
+    /// How long the change feed's decoder waits for a Redis replica to
+    /// acknowledge the changes it applied (WAIT), where Redis has replicas:
+    /// a change not acknowledged is applied again until it is, so that a
+    /// failover to a replica that missed it undoes nothing (0: not waited
+    /// for).
+    #[arg(long, env = "REDIS_REPLICA_WAIT", default_value = "200ms", value_parser = parse_duration)]
+    pub redis_replica_wait: Duration,
+
     /// Read replicas for loads, comma-separated PostgreSQL URLs (empty:
     /// every load reads DATABASE_URL). A key is read from a replica only
     /// once it has replayed the key's last change; needs CHANGE_FEED

@@ -249,6 +249,32 @@ impl<K: Eq + Hash + Clone> Floors<K> {
         true
     }
 
+    /// A change to `key` committed at WAL position `change` is applied to
+    /// the Redis primary but not yet acknowledged by a replica (see
+    /// `redis/replicas.rs`): a failover may give back the entry it
+    /// invalidated. Until the feed's position passes it (every change up
+    /// to it acknowledged), an answer for `key` is admitted only if this
+    /// process loaded it after now (or it is the version of a floor that
+    /// stood: served here already). Replication mode only: without a
+    /// position a pin would never lapse.
+    pub fn pin(&self, key: &K, change: u64) {
+        if self.off || change == 0 {
+            return;
+        }
+        let mut book = self.lock();
+        if book.items.len() >= MAX_FLOORS && !book.items.contains_key(key) {
+            Self::make_room(&mut book, true);
+        }
+        let floor = book.items.entry(key.clone()).or_insert(Floor {
+            // No version's: only a load after now is admitted.
+            etag: 0,
+            upto: change,
+            set: Instant::now(),
+        });
+        floor.upto = floor.upto.max(change);
+        self.any.store(true, Ordering::SeqCst);
+    }
+
     /// Keeps the version `entry` of `key` as served, for the stale copies.
     fn keep_served(&self, key: &K, entry: &Entry) {
         let mut book = self.lock();
@@ -433,6 +459,38 @@ mod tests {
         std::thread::sleep(Duration::from_millis(2));
         assert!(!floors.admits(&1, &loaded("v1", before, 400), 100));
         assert!(floors.admits(&1, &loaded("v3", Instant::now(), 600), 100));
+    }
+
+    #[test]
+    fn a_change_not_yet_on_a_replica_refuses_the_cache_until_the_feed_passes_it() {
+        crate::cache::entry::process_epoch();
+        let floors = Floors::<i64>::default();
+        floors.advance(100);
+        let before = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        floors.pin(&1, 300);
+        std::thread::sleep(Duration::from_millis(2));
+        // A failover may give back the entry the change invalidated: what
+        // Redis answers is refused, whatever version; a load of this
+        // process's after the pin is admitted, one before it is not.
+        assert!(!floors.admits(&1, &looked_up("v1"), 100));
+        assert!(!floors.admits(&1, &loaded("v1", before, 200), 100));
+        assert!(floors.admits(&1, &loaded("v2", Instant::now(), 350), 100));
+        assert!(!floors.allows_fill(&1, &looked_up("v1")));
+        assert!(floors.admits(&2, &looked_up("v1"), 100));
+        // A later pin never lowers it.
+        floors.pin(&1, 200);
+        assert_eq!(floors.upto(&1), 300);
+        // Acknowledged: the feed's position passes it.
+        floors.advance(300);
+        assert!(floors.admits(&1, &looked_up("v1"), 300));
+        // Pinned while no position is known (the stream taken up again
+        // after a failover): refused until one passes it.
+        let unpositioned = Floors::<i64>::default();
+        unpositioned.pin(&1, 300);
+        assert!(!unpositioned.admits(&1, &looked_up("v1"), 0));
+        unpositioned.advance(300);
+        assert!(unpositioned.admits(&1, &looked_up("v1"), 300));
     }
 
     #[test]

@@ -403,6 +403,15 @@ impl<S: Source> ReadPath<S> {
         }
     }
 
+    /// A change to `key`, committed at or before WAL position `change`, is
+    /// on the Redis primary but not acknowledged by a replica: nothing
+    /// looked up in Redis is served for it until the feed's position passes
+    /// `change` (a failover may give back the entry it invalidated), only
+    /// what this process loads from now on (see floor.rs, `pin`).
+    pub fn pin_changed(&self, key: &S::Key, change: u64) {
+        self.ctx.floors.pin(key, change);
+    }
+
     /// The WAL position a read of `key` past the cache must read at least,
     /// so as to be no older than what this process served (0: none).
     pub fn floor_of(&self, key: &S::Key) -> u64 {

@@ -3,7 +3,8 @@
 //! feed's, and how each batched kind goes out), routed per key to a node
 //! and its circuit breaker (`nodes.rs`, `breaker.rs`), batched per node
 //! (`coalesce.rs`, generic over nodes and commands, and the queued
-//! commands `queued.rs`), the Lua scripts with their
+//! commands `queued.rs`), the replicas' acknowledgement of the change
+//! feed's writes (`replicas.rs`), the Lua scripts with their
 //! typed calls and replies (`scripts/`), the shared subscriber
 //! (`subscriber.rs`), what a failure says of the server (`error.rs`), and
 //! the clients made from REDIS_URL (`connect.rs`).
@@ -18,6 +19,7 @@ mod error;
 mod inspect;
 mod nodes;
 mod queued;
+mod replicas;
 pub mod scripts;
 mod subscriber;
 

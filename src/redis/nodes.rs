@@ -36,6 +36,7 @@ use super::{
     breaker::{Breaker, State},
     coalesce::Coalescer,
     queued::{QueuedClaim, QueuedFinish, QueuedGet, QueuedValueClaim},
+    replicas::Durable,
     scripts::{self, Scripts},
 };
 use crate::telemetry::metrics;
@@ -59,6 +60,9 @@ pub struct Node {
     /// reconnects to a node that is gone).
     tasks: std::sync::Mutex<Vec<AbortOnDropHandle<()>>>,
     connection: std::sync::Mutex<Option<AbortOnDropHandle<Result<(), fred::error::Error>>>>,
+    /// Its connection for WAIT (`replicas.rs`), made when first needed:
+    /// only the decoding instance has one.
+    durable: tokio::sync::OnceCell<Durable>,
 }
 
 impl Node {
@@ -72,6 +76,7 @@ impl Node {
             finishes: Coalescer::default(),
             tasks: std::sync::Mutex::default(),
             connection: std::sync::Mutex::default(),
+            durable: tokio::sync::OnceCell::new(),
         })
     }
 
@@ -80,6 +85,22 @@ impl Node {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push(task);
+    }
+
+    /// Whether every write this process made to this node before the call
+    /// has reached one of its replicas (see `replicas.rs`), waiting at most
+    /// `limit`.
+    pub(super) async fn replicated(
+        &self,
+        key: &str,
+        limit: Duration,
+        timeout: Duration,
+    ) -> Result<bool, fred::error::Error> {
+        let durable = self
+            .durable
+            .get_or_try_init(|| Durable::connect(&self.client, timeout))
+            .await?;
+        durable.replicated(key, limit, timeout).await
     }
 
     /// Starts the upkeep of this node's connections; before the client
@@ -120,6 +141,9 @@ impl Node {
     /// QUIT, bounded, then stops the node's tasks (a client still
     /// reconnecting to a node that is gone would never read the QUIT).
     async fn stop(&self) {
+        if let Some(durable) = self.durable.get() {
+            durable.stop(QUIT_LIMIT).await;
+        }
         let _ = tokio::time::timeout(QUIT_LIMIT, self.client.quit()).await;
         self.connection
             .lock()

@@ -26,6 +26,8 @@ use super::{eventually, free_port, kill, Http};
 /// that listen (subscribe or read a stream) cut.
 pub struct TcpProxy {
     pub addr: SocketAddr,
+    /// Where new connections go (see [`TcpProxy::retarget`]).
+    target: Arc<Mutex<SocketAddr>>,
     open: Arc<AtomicBool>,
     hold: Arc<Hold>,
     connections: Arc<Mutex<Vec<Piped>>>,
@@ -54,8 +56,10 @@ impl TcpProxy {
         let open = Arc::new(AtomicBool::new(true));
         let hold = Arc::new(Hold::default());
         let connections: Arc<Mutex<Vec<Piped>>> = Arc::default();
+        let target = Arc::new(Mutex::new(target));
         let accept = tokio::spawn({
             let (open, hold, connections) = (open.clone(), hold.clone(), connections.clone());
+            let target = target.clone();
             async move {
                 while let Ok((mut client, _)) = listener.accept().await {
                     if !open.load(Ordering::SeqCst) {
@@ -64,12 +68,19 @@ impl TcpProxy {
                     }
                     let hold = hold.clone();
                     let seen = Arc::new(Seen::default());
+                    let target = *target.lock().unwrap();
                     let pumps = tokio::spawn({
                         let seen = seen.clone();
                         async move {
                             let Ok(server) = TcpStream::connect(target).await else {
                                 return;
                             };
+                            // As the servers and clients do on their own
+                            // sockets: without it, each small write that
+                            // follows one not yet acknowledged waits for the
+                            // peer's delayed ACK (40 ms).
+                            let _ = client.set_nodelay(true);
+                            let _ = server.set_nodelay(true);
                             let (client_rx, client_tx) = client.into_split();
                             let (server_rx, server_tx) = server.into_split();
                             tokio::join!(
@@ -86,6 +97,7 @@ impl TcpProxy {
         });
         Self {
             addr,
+            target,
             open,
             hold,
             connections,
@@ -116,6 +128,15 @@ impl TcpProxy {
             !listens
         });
         before - connections.len()
+    }
+
+    /// Sends new connections to `to`, and cuts the present ones: an
+    /// address moved to another server (a virtual IP after a failover).
+    pub fn retarget(&self, to: SocketAddr) {
+        *self.target.lock().unwrap() = to;
+        for c in self.connections.lock().unwrap().drain(..) {
+            c.pumps.abort();
+        }
     }
 
     /// Accepts connections again.

@@ -9,7 +9,8 @@ use futures::future::join_all;
 use postcache::{
     cli::invalidate::{self, Invalidated},
     testkit::{
-        wait_until, HeldLoad, RedisCluster, RedisServer, Reply, TestApp, TestEnv, A_WHILE, PATIENT,
+        wait_until, HeldLoad, RedisCluster, RedisServer, Reply, TcpProxy, TestApp, TestEnv,
+        A_WHILE, PATIENT,
     },
 };
 use tokio::task::JoinHandle;
@@ -473,6 +474,109 @@ async fn a_change_made_while_redis_is_paused_in(mode: &str, pause_ms: u64) {
         Some("hit"),
         "not the entry cached before"
     );
+}
+
+/// A Redis failover to a replica that missed a change: the replica's
+/// replication stalled (a proxy between it and its primary forwards
+/// nothing and closes nothing), a post changed, then the primary killed
+/// and the replica promoted (`REPLICAOF NO ONE`) behind the address the
+/// instances use, as a moved virtual IP. No replica acknowledged the
+/// change's application, so the decoder applies it again on the promoted
+/// replica, which still holds the post's old entry: an instance that
+/// never served the new version (its floor cannot help) serves it soon
+/// after the failover, and never the old one after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_change_a_stalled_replica_missed_is_applied_again_after_its_promotion() {
+    let mut primary = RedisServer::start().await;
+    let link = TcpProxy::start(([127, 0, 0, 1], primary.port).into()).await;
+    let link_port = link.addr.port().to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &link_port]).await;
+    let address = TcpProxy::start(([127, 0, 0, 1], primary.port).into()).await;
+    let env = TestEnv::with_redis(3, format!("redis://{}", address.addr)).await;
+    // The memory tier off: every read asks Redis.
+    let flags = [
+        "--change-feed",
+        "replication",
+        "--cache-ttl",
+        "600s",
+        "--l1-max-bytes",
+        "0",
+    ];
+    let (writer_side, other) = (env.spawn(&flags).await, env.spawn(&flags).await);
+    for app in [&writer_side, &other] {
+        app.get("/posts/1").await;
+        assert_eq!(app.get("/posts/1").await.x_cache.as_deref(), Some("hit"));
+    }
+    wait_until("the replica to have the entry", A_WHILE, async || {
+        primary.cli(&["wait", "1", "100"]) == "1"
+            && replica.cli(&["exists", &env.keys.value(1)]) == "1"
+    })
+    .await;
+
+    link.stall(true);
+    let new = "changed while the replica stalled";
+    env.retitle(1, new).await;
+    until_everywhere(std::slice::from_ref(&writer_side), 1, new).await;
+    // The decoder has waited for the replica, in vain, at least once.
+    wait_until("a change unacknowledged", A_WHILE, async || {
+        writer_side
+            .http
+            .metric("postcache_changes_unreplicated_total")
+            .await
+            + other
+                .http
+                .metric("postcache_changes_unreplicated_total")
+                .await
+            >= 1.0
+    })
+    .await;
+
+    primary.kill();
+    assert_eq!(replica.cli(&["replicaof", "no", "one"]), "OK");
+    address.retarget(([127, 0, 0, 1], replica.port).into());
+    let promoted = Instant::now();
+    // The other instance reads once Redis answers it again (a read that
+    // fell back to PostgreSQL meanwhile would raise its floor).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_until(
+        "the other instance to reach Redis again",
+        A_WHILE,
+        async || {
+            let ready = other.get("/readyz").await.json();
+            ready["redis"] == "up" && ready["change_feed"] == "up"
+        },
+    )
+    .await;
+    let mut served = Vec::new();
+    while promoted.elapsed() < Duration::from_secs(4) {
+        let reply = other.get("/posts/1").await;
+        let title = (reply.status == 200).then(|| reply.json()["title"].to_string());
+        served.push((promoted.elapsed(), reply.x_cache.clone(), title));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let new = Some(format!("{new:?}"));
+    let Some(first_new) = served.iter().position(|(_, _, title)| *title == new) else {
+        panic!(
+            "the change was never served after the failover (the first of {} reads: {:?})",
+            served.len(),
+            &served[..served.len().min(5)]
+        );
+    };
+    assert!(
+        served[first_new].0 < Duration::from_secs(2),
+        "the change was served only {:?} after the failover: {served:?}",
+        served[first_new].0
+    );
+    let after: Vec<_> = served[first_new..]
+        .iter()
+        .filter(|(_, _, title)| *title != new)
+        .collect();
+    assert!(
+        after.is_empty(),
+        "served other than the change after it: {after:?}"
+    );
+    drop(link);
 }
 
 /// A truncate is every post changed at once: the cutoff.

@@ -229,14 +229,21 @@ impl Candidate {
                 anyhow::bail!("the decoder gives up the slot: {why}");
             }
         };
+        // The position: every change up to it applied, none waiting for a
+        // retry (applied on a primary its replicas did not acknowledge, or
+        // not at all): reads that ask for a position, and the floors, rely
+        // on it (found: a beat said the decoder's whole progress, changes
+        // kept for a retry included, and the floors lapsed before a failover
+        // undid those changes).
+        let position = progress.confirmable().0;
         let entry = Entry::Beat {
-            lsn: progress.applied.0,
+            lsn: position,
             behind,
             age_ms: age.as_millis() as u64,
             session: session.id,
         };
         fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
-        progress.announce(progress.applied.0);
+        progress.announce(position);
         metrics::feed_lag_bytes(behind);
         Ok(())
     }
@@ -394,10 +401,15 @@ impl Candidate {
                 .collect()
                 .await
         };
+        let results = self.replicated(results, progress).await;
         let mut ids = Vec::with_capacity(results.len());
         let mut deleted = Vec::new();
-        for ((id, kind, at), done) in results {
-            if done {
+        for ((id, kind, at), replicated) in results {
+            if replicated == Replicated::NotApplied {
+                progress.keep(id, kind, at);
+                continue;
+            }
+            if replicated == Replicated::Yes {
                 metrics::change_applied(
                     match kind {
                         ChangeKind::Deleted => "delete",
@@ -405,12 +417,12 @@ impl Candidate {
                     },
                     lag,
                 );
-                ids.push(id);
-                if kind == ChangeKind::Deleted {
-                    deleted.push(id);
-                }
             } else {
                 progress.keep(id, kind, at);
+            }
+            ids.push(id);
+            if kind == ChangeKind::Deleted {
+                deleted.push(id);
             }
         }
         if progress.retry.len() > RETRY_LIST_MAX {
@@ -445,6 +457,67 @@ impl Candidate {
         Ok(())
     }
 
+    /// The applications of `results` that reached a Redis replica as well,
+    /// where Redis has replicas (see `redis/replicas.rs`): one that did
+    /// not is applied again later (a no-op on a node that has it), so that
+    /// a failover to a replica that missed it undoes nothing. Its instances
+    /// are told of it meanwhile (the primary has it), but nothing waits on
+    /// its position (`upto`), and the slot's confirmed position holds.
+    ///
+    /// While the last wait went unacknowledged, a batch does not wait (it
+    /// is kept for the retry, which does): a stalled replica must not slow
+    /// the feed by REDIS_REPLICA_WAIT a batch.
+    async fn replicated(
+        &self,
+        results: Vec<((i64, ChangeKind, u64), bool)>,
+        progress: &mut DecoderProgress,
+    ) -> Vec<((i64, ChangeKind, u64), Replicated)> {
+        let keys: Vec<String> = results
+            .iter()
+            .filter(|(_, done)| *done)
+            .map(|((id, _, _), _)| self.read_path.keys().value(id))
+            .collect();
+        let acknowledged = if self.replica_wait.is_zero() || keys.is_empty() {
+            true
+        } else if progress.replicas_behind && !progress.retrying {
+            false
+        } else {
+            match self
+                .read_path
+                .redis()
+                .replicated(&keys, self.replica_wait)
+                .await
+            {
+                Ok(acknowledged) => acknowledged,
+                Err(error) => {
+                    tracing::debug!(%error, "whether Redis's replicas have the changes is not known; applying them again");
+                    false
+                }
+            }
+        };
+        if !keys.is_empty() {
+            progress.replicas_behind = !acknowledged;
+        }
+        if !acknowledged {
+            metrics::changes_unreplicated(keys.len());
+            tracing::debug!(
+                posts = keys.len(),
+                "no Redis replica acknowledged the changes applied; applying them again"
+            );
+        }
+        results
+            .into_iter()
+            .map(|(change, done)| {
+                let state = match (done, acknowledged) {
+                    (false, _) => Replicated::NotApplied,
+                    (true, true) => Replicated::Yes,
+                    (true, false) => Replicated::PrimaryOnly,
+                };
+                (change, state)
+            })
+            .collect()
+    }
+
     /// A beat that says the decoder is alive and behind, whatever it has
     /// applied (it holds something back).
     async fn beat_behind(
@@ -455,7 +528,7 @@ impl Candidate {
         session.judged = Instant::now();
         let wal = session.probes.borrow().as_ref().map_or(0, |p| p.wal);
         let entry = Entry::Beat {
-            lsn: progress.applied.0,
+            lsn: progress.confirmable().0,
             behind: wal.saturating_sub(progress.applied.0).max(1),
             age_ms: 0,
             session: session.id,
@@ -464,10 +537,20 @@ impl Candidate {
         Ok(())
     }
 
-    /// Tries again what waits for Redis.
+    /// Tries again what waits for Redis (while its replicas do not
+    /// acknowledge, once a REPLICAS_RETRY_EVERY: each try waits for them).
     async fn retry(&self, progress: &mut DecoderProgress) -> anyhow::Result<()> {
         if progress.retry.is_empty() {
             return Ok(());
+        }
+        if progress.replicas_behind {
+            if progress
+                .replicas_tried
+                .is_some_and(|at| at.elapsed() < REPLICAS_RETRY_EVERY)
+            {
+                return Ok(());
+            }
+            progress.replicas_tried = Some(Instant::now());
         }
         let waiting: Vec<(i64, ChangeKind, u64)> = progress
             .retry
@@ -475,9 +558,28 @@ impl Candidate {
             .map(|(id, (kind, lsn))| (id, kind, lsn))
             .collect();
         let newest = waiting.iter().map(|c| c.2).max().unwrap_or(0);
-        self.apply(waiting, Lsn(newest), Duration::ZERO, progress)
-            .await
+        progress.retrying = true;
+        let applied = self
+            .apply(waiting, Lsn(newest), Duration::ZERO, progress)
+            .await;
+        progress.retrying = false;
+        applied
     }
+}
+
+/// While Redis's replicas do not acknowledge, how often the changes kept
+/// for them are applied again and waited for.
+const REPLICAS_RETRY_EVERY: Duration = Duration::from_millis(500);
+/// Where a change's application stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replicated {
+    /// Not applied (Redis failed): applied again later.
+    NotApplied,
+    /// Applied on the primary, not acknowledged by a replica: applied
+    /// again later.
+    PrimaryOnly,
+    /// Applied, and acknowledged where Redis has replicas.
+    Yes,
 }
 
 /// A snapshot of the server, as `pg_current_snapshot()` prints it

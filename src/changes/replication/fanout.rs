@@ -568,8 +568,18 @@ impl Reader {
             }) => self.beats.beat(lsn, behind, age_ms, session),
             Some(Entry::Stopped { session }) => self.beats.stopped(session),
             Some(Entry::Posts {
-                ids, deleted, upto, ..
+                lsn,
+                ids,
+                deleted,
+                upto,
             }) => {
+                // Not acknowledged by Redis's replicas yet (or something
+                // waits for a retry): a failover may undo them.
+                if upto == 0 {
+                    for id in &ids {
+                        self.read_path.pin_changed(id, lsn);
+                    }
+                }
                 for id in ids {
                     if deleted.contains(&id) {
                         self.read_path.forget_deleted(&id);

@@ -132,6 +132,9 @@ pub(super) struct Candidate {
     pub beats: Arc<Beats>,
     /// REPLICATION_TIMEOUT.
     pub timeout: Duration,
+    /// REDIS_REPLICA_WAIT: how long a Redis replica is waited for after
+    /// each application (0: not waited for; see `redis/replicas.rs`).
+    pub replica_wait: Duration,
 }
 
 /// A standby ends the walsender of a slot whose beats stopped only if it
@@ -480,6 +483,18 @@ impl Candidate {
             Some(change) => self.read_path.invalidate_all(change).await?,
             None => self.read_path.invalidate_all_now().await?,
         };
+        // A raise is not applied again (see `redis/replicas.rs`): a failover
+        // to a replica that missed it undoes it. Said, not held back: the
+        // feed would stop while a replica does not answer.
+        if !self.replica_wait.is_zero() {
+            let key = [self.read_path.keys().cutoff()];
+            if !matches!(redis.replicated(&key, self.replica_wait).await, Ok(true)) {
+                metrics::changes_unreplicated(1);
+                tracing::warn!(
+                    "no Redis replica acknowledged the raise of the cutoff: a failover to one would undo it"
+                );
+            }
+        }
         // The followers take `lsn` as their floor (0: the primary only).
         let lsn = if floor == Since::PRIMARY { 0 } else { floor.0 };
         fanout::append(redis, &self.stream_key, &Entry::All { lsn, cutoff }).await?;

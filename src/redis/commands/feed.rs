@@ -5,8 +5,16 @@
 
 use fred::{prelude::*, types::SetOptions};
 
+use std::{sync::Arc, time::Duration};
+
 use super::{BreakerRule, RedisCommands};
-use crate::redis::error::RedisError;
+use crate::{
+    redis::{
+        error::{is_moved, RedisError},
+        nodes::Node,
+    },
+    telemetry::metrics,
+};
 
 impl RedisCommands {
     /// The cutoff stored at `key` (unix ms; 0 when none). Under
@@ -88,6 +96,37 @@ impl RedisCommands {
             c.del::<Value, _>(key).await.map(drop)
         })
         .await
+    }
+
+    /// Whether everything this process wrote to the nodes of `keys` before
+    /// the call has reached a replica of each of them that has replicas,
+    /// waiting at most `limit` (see `replicas.rs`). Not through the
+    /// breaker, as the stream.
+    pub async fn replicated(&self, keys: &[String], limit: Duration) -> Result<bool, RedisError> {
+        let mut nodes: Vec<(Arc<Node>, &str)> = Vec::new();
+        for key in keys {
+            let node = self.nodes().for_key(key);
+            if !nodes.iter().any(|(n, _)| Arc::ptr_eq(n, &node)) {
+                nodes.push((node, key));
+            }
+        }
+        let timeout = self.timeout();
+        let checks = nodes.iter().map(|(node, key)| async move {
+            metrics::redis_call();
+            node.replicated(key, limit, timeout).await
+        });
+        let mut all = true;
+        for checked in futures::future::join_all(checks).await {
+            match checked {
+                Ok(acknowledged) => all &= acknowledged,
+                Err(error) if is_moved(&error) => {
+                    self.nodes().moved();
+                    return Err(RedisError::from(error));
+                }
+                Err(error) => return Err(RedisError::from(error)),
+            }
+        }
+        Ok(all)
     }
 
     /// A client of its own, with the same settings, not yet connected: for

@@ -180,6 +180,11 @@ pub fn decoder_held(held: bool) {
     gauge!(DECODER_HELD).set(if held { 1.0 } else { 0.0 });
 }
 
+/// Changes applied to a Redis primary that no replica acknowledged in time.
+pub fn changes_unreplicated(n: usize) {
+    counter!(CHANGES_UNREPLICATED).increment(n as u64);
+}
+
 /// An answer older than this process's floor for the item, loaded again.
 pub fn floor_miss() {
     counter!(FLOOR_MISSES).increment(1);

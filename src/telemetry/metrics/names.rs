@@ -73,6 +73,9 @@ pub const DECODER_HELD: &str = "postcache_change_feed_decoder";
 /// Answers found older than a version this process had served (its floor
 /// for the item: see `read_path/floor.rs`), loaded from the primary instead.
 pub const FLOOR_MISSES: &str = "postcache_floor_misses_total";
+/// CHANGE_FEED=replication: changes applied to a Redis primary that no
+/// replica acknowledged within REDIS_REPLICA_WAIT, applied again later.
+pub const CHANGES_UNREPLICATED: &str = "postcache_changes_unreplicated_total";
 /// CHANGE_FEED=replication: times this instance's decoder gave up the slot
 /// because it could not vouch for its connection (PostgreSQL did not hear
 /// it, what was sent did not arrive, the primary could not be asked).
@@ -181,6 +184,7 @@ pub const ALL: &[&str] = &[
     DECODER_GAVE_UP,
     DECODER_TAKEOVERS,
     FLOOR_MISSES,
+    CHANGES_UNREPLICATED,
     FEED_GAPS,
     FEED_LAG_BYTES,
     FEED_LAG_SECONDS,
@@ -328,6 +332,10 @@ pub(super) fn describe() {
     describe_counter!(
         FLOOR_MISSES,
         "Answers found older than a version this process had served, loaded from the primary instead."
+    );
+    describe_counter!(
+        CHANGES_UNREPLICATED,
+        "Changes applied to a Redis primary that no replica acknowledged in time, applied again later."
     );
     describe_counter!(
         DECODER_GAVE_UP,
