@@ -369,12 +369,7 @@ impl Fleet {
             for instance in &self.instances {
                 let target = &instance.target;
                 for _ in 0..CANARY_PRIMES {
-                    let reply = target
-                        .client
-                        .get(format!("{}/posts/{}", target.base, self.canary()))
-                        .timeout(WATCH_TIMEOUT)
-                        .send()
-                        .await;
+                    let reply = self.read_canary(target).await;
                     let cached = reply.is_ok_and(|r| {
                         r.status() == 200
                             && r.headers()
@@ -404,12 +399,7 @@ impl Fleet {
         for (i, instance) in self.instances.iter().enumerate() {
             let target = &instance.target;
             loop {
-                let reply = target
-                    .client
-                    .get(format!("{}/posts/{}", target.base, self.canary()))
-                    .timeout(WATCH_TIMEOUT)
-                    .send()
-                    .await;
+                let reply = self.read_canary(target).await;
                 let served = match reply {
                     Ok(r) if r.status() == 200 => {
                         let json: serde_json::Value = r.json().await.unwrap_or_default();
@@ -429,6 +419,16 @@ impl Fleet {
             }
         }
         Ok(())
+    }
+
+    /// One read of the canary on `target`.
+    async fn read_canary(&self, target: &Target) -> reqwest::Result<reqwest::Response> {
+        target
+            .client
+            .get(format!("{}/posts/{}", target.base, self.canary()))
+            .timeout(WATCH_TIMEOUT)
+            .send()
+            .await
     }
 
     /// The fleet's replication slot.
