@@ -191,6 +191,14 @@ impl Candidate {
                 Some(Refusal::Held) => {
                     if self.take_over().await {
                         Duration::ZERO
+                    } else if held.is_some_and(|at| at.elapsed() < BEAT_STALE) {
+                        // Most likely this instance's own session, whose
+                        // walsender has not ended yet: soon again, not a
+                        // BEAT_STALE later (found: a decoder whose session
+                        // ended on a paused Redis stood by 2 s behind its
+                        // own walsender, and a change waited 3.2 s).
+                        tracing::debug!("the slot is still held, likely by this instance's last session; trying again");
+                        retry()
                     } else {
                         tracing::debug!("the slot is held by another instance; standing by");
                         // Its beats should be here soon; try again if not.
