@@ -48,8 +48,12 @@ use tokio_util::task::AbortOnDropHandle;
 const REPLICAS_KNOWN_FOR: Duration = Duration::from_secs(1);
 /// How long a node that had a replica is waited for as if it still had
 /// one: a replica reconnecting (after its primary restarted, or a network
-/// blip) is not counted by its primary, and it may still be promoted.
-const REPLICAS_REMEMBERED_FOR: Duration = Duration::from_secs(30);
+/// blip) is not counted by its primary until it has (a replica tries once
+/// a second), and it may still be promoted meanwhile. Short: a primary
+/// promoted behind the same address, with no replica of its own yet, is
+/// waited for in vain this long (every change kept for a retry, and read
+/// past Redis once per post and instance).
+const REPLICAS_REMEMBERED_FOR: Duration = Duration::from_secs(5);
 /// How long a marker key lives (it only needs to outlive its WAIT).
 const MARKER_MS: i64 = 60_000;
 
