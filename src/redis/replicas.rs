@@ -113,15 +113,19 @@ impl Durable {
     ) -> Result<bool, Error> {
         let before = match self.seen() {
             Some(seen) if seen.replicas > 0 || seen.at.elapsed() < REPLICAS_KNOWN_FOR => seen,
-            _ => {
-                let now = self.read(key, timeout).await?;
-                if now.replicas > 0 {
-                    // Read after the writes: it cannot vouch for the node
-                    // they reached. The next call's will.
-                    return Ok(false);
-                }
-                now
-            }
+            last => match self.read(key, timeout).await {
+                // Read after the writes: it cannot vouch for the node they
+                // reached. The next call's will.
+                Ok(now) if now.replicas > 0 => return Ok(false),
+                Ok(now) => now,
+                // A node known to have no replica is not held to one
+                // because a look failed: on a loaded machine an INFO past
+                // REDIS_TIMEOUT would keep a Redis without replicas from
+                // beating level for half a second (the likely cause of a
+                // staleness bound read past the cache in one CI run).
+                Err(_) if last.is_some_and(|seen| seen.replicas == 0) => return Ok(true),
+                Err(error) => return Err(error),
+            },
         };
         if before.replicas == 0 {
             return Ok(true);
