@@ -40,6 +40,12 @@ const LEADER_STOPPED: Duration = Duration::from_secs(6);
 /// Rows of another table's bulk write (about 70 MB of WAL), which the
 /// walsender decodes for seconds before the changes behind it.
 const BULK_ROWS: u64 = 500_000;
+/// How long the instances' clocks stay skewed, and by how much at most
+/// (each instance by its own whole seconds, ahead or behind).
+const SKEWED: Duration = Duration::from_secs(6);
+const MAX_SKEW_SECONDS: i64 = 3;
+/// libfaketime reads its file again after this long.
+const SKEW_TAKES: Duration = Duration::from_millis(1500);
 /// A fault is not begun unless this much of the run is left.
 const ROOM: Duration = Duration::from_secs(8);
 
@@ -59,10 +65,11 @@ pub enum Kind {
     LeaderStopped,
     SlowWalsender,
     RedisFailover,
+    ClockSkew,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 14] = [
+    pub const ALL: [Kind; 15] = [
         Kind::DecoderKilled,
         Kind::InstanceKilled,
         Kind::InstanceStopped,
@@ -77,6 +84,7 @@ impl Kind {
         Kind::LeaderStopped,
         Kind::SlowWalsender,
         Kind::RedisFailover,
+        Kind::ClockSkew,
     ];
 
     pub fn name(self) -> &'static str {
@@ -95,6 +103,7 @@ impl Kind {
             Kind::LeaderStopped => "leader-stopped",
             Kind::SlowWalsender => "slow-walsender",
             Kind::RedisFailover => "redis-failover",
+            Kind::ClockSkew => "clock-skew",
         }
     }
 
@@ -126,6 +135,9 @@ impl Kind {
             Kind::RedisFailover => {
                 "Redis's replica stalled (its link forwards nothing, closes nothing) for 0.5 s, then the primary SIGKILLed and the replica promoted behind every instance's address (a moved virtual IP)"
             }
+            Kind::ClockSkew => {
+                "every instance's wall clock stepped 1 to 3 s ahead or behind, each its own way (libfaketime), for 6 s, then stepped back"
+            }
         }
     }
 
@@ -141,6 +153,9 @@ impl Kind {
             Kind::DecoderKilled => ms(3000),
             // Another instance: nothing of the fleet's coherence changes.
             Kind::InstanceKilled | Kind::InvalidateAll | Kind::ReplicaLagging => args.bound,
+            // Coherence reads no clock of another host (docs/design/
+            // consistency.md): nothing changes.
+            Kind::ClockSkew => args.bound,
             // A stopped decoder applies nothing while it is stopped: the
             // stop's length, and its catch-up.
             Kind::InstanceStopped => STOPPED + ms(1000),
@@ -188,10 +203,33 @@ impl Kind {
         }
     }
 
+    /// Whether `all` includes the fault on this machine: the clock skew
+    /// needs libfaketime, which CI installs (with CI set, `all` includes it
+    /// regardless, and a machine without it fails the run at start).
+    fn available(self) -> bool {
+        match self {
+            Kind::ClockSkew => {
+                crate::fleet::libfaketime().is_some() || std::env::var_os("CI").is_some()
+            }
+            _ => true,
+        }
+    }
+
     /// `all`, `none`, or names separated by commas.
     pub fn parse_list(list: &str, args: &Args) -> anyhow::Result<Vec<Kind>> {
         match list {
-            "all" => Ok(Self::ALL.into_iter().filter(|k| k.applies(args)).collect()),
+            "all" => {
+                for kind in Self::ALL.into_iter().filter(|k| !k.available()) {
+                    println!(
+                        "note: no fault {}: libfaketime is not installed",
+                        kind.name()
+                    );
+                }
+                Ok(Self::ALL
+                    .into_iter()
+                    .filter(|k| k.applies(args) && k.available())
+                    .collect())
+            }
             "none" | "" => Ok(Vec::new()),
             list => list
                 .split(',')
@@ -488,6 +526,25 @@ async fn inject(
             format!(
                 "{BULK_ROWS} rows written in {:.1} s",
                 started.elapsed().as_secs_f64()
+            )
+        }
+        Kind::ClockSkew => {
+            let mut skews = Vec::new();
+            for i in 0..instances {
+                let seconds = rng.random_range(1..=MAX_SKEW_SECONDS)
+                    * if rng.random_bool(0.5) { 1 } else { -1 };
+                fleet.skew(i, seconds)?;
+                skews.push(format!("{seconds:+} s"));
+            }
+            tokio::time::sleep(SKEWED).await;
+            for i in 0..instances {
+                fleet.skew(i, 0)?;
+            }
+            tokio::time::sleep(SKEW_TAKES).await;
+            format!(
+                "instances' clocks {} for {} s",
+                skews.join(", "),
+                SKEWED.as_secs()
             )
         }
         Kind::InvalidateAll => {

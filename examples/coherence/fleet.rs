@@ -52,6 +52,10 @@ pub struct Fleet {
     pub env: TestEnv,
     pub instances: Vec<Instance>,
     log_dir: PathBuf,
+    /// libfaketime, preloaded into every instance when the `clock-skew`
+    /// fault is scheduled: each instance's wall clock is then shifted by
+    /// what its file in `log_dir` says (see [`Fleet::skew`]).
+    faketime: Option<PathBuf>,
     /// The next version of the canary (see [`Fleet::until_healthy`]).
     canary_version: std::sync::atomic::AtomicU64,
 }
@@ -93,6 +97,18 @@ impl RedisReplica {
     }
 }
 
+/// Where libfaketime is found (`LIBFAKETIME` first): the Debian package's
+/// multi-threaded build.
+pub fn libfaketime() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("LIBFAKETIME").map(PathBuf::from),
+        Some("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1".into()),
+        Some("/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1".into()),
+        Some("/usr/lib/faketime/libfaketimeMT.so.1".into()),
+    ];
+    candidates.into_iter().flatten().find(|path| path.exists())
+}
+
 /// Longest an instance takes to answer /healthz after it is started.
 const START_LIMIT: Duration = Duration::from_secs(30);
 /// Bound on each request the checker makes to watch the fleet.
@@ -100,8 +116,15 @@ const WATCH_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Fleet {
     /// The servers and the database, with no instance running yet.
-    pub async fn start(args: &Args) -> anyhow::Result<Self> {
+    /// `skewed`: the `clock-skew` fault is scheduled.
+    pub async fn start(args: &Args, skewed: bool) -> anyhow::Result<Self> {
         anyhow::ensure!(PgServer::available(), "initdb and pg_basebackup are needed");
+        let faketime = match skewed {
+            true => Some(libfaketime().context(
+                "the clock-skew fault needs libfaketime (apt-get install libfaketime, or LIBFAKETIME)",
+            )?),
+            false => None,
+        };
         let redis = RedisServer::start().await;
         let primary = PgServer::primary().await;
         let env = TestEnv::on_server(0, primary.url(), redis.url()).await;
@@ -115,6 +138,7 @@ impl Fleet {
         std::fs::create_dir_all(&log_dir)?;
         let mut instances = Vec::new();
         for index in 0..args.instances {
+            std::fs::write(log_dir.join(format!("clock-{index}")), "+0")?;
             let port = free_port();
             let proxy = TcpProxy::start(([127, 0, 0, 1], redis.port).into()).await;
             let pg_proxy = TcpProxy::start(([127, 0, 0, 1], primary.port).into()).await;
@@ -145,6 +169,7 @@ impl Fleet {
             env,
             instances,
             log_dir,
+            faketime,
             canary_version: Default::default(),
         })
     }
@@ -218,6 +243,18 @@ impl Fleet {
                 format!("{}/{}", standby.url(), self.env.db_name),
             );
         }
+        if let Some(faketime) = &self.faketime {
+            // Only the wall clock: Instant (CLOCK_MONOTONIC) is the
+            // machine's. The file is read again every second.
+            command
+                .env("LD_PRELOAD", faketime)
+                .env(
+                    "FAKETIME_TIMESTAMP_FILE",
+                    self.log_dir.join(format!("clock-{i}")),
+                )
+                .env("FAKETIME_CACHE_DURATION", "1")
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        }
         if let Some(every) = self.args.lose_changes {
             command.env(LOSE_CHANGES, every.to_string());
         }
@@ -261,6 +298,22 @@ impl Fleet {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Shifts instance `i`'s wall clock to `seconds` from the machine's (a
+    /// step, as NTP makes one), within a second: its processes read their
+    /// clock through libfaketime, which reads this file every second.
+    pub fn skew(&self, i: usize, seconds: i64) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.faketime.is_some(),
+            "the instances run without libfaketime"
+        );
+        let file = self.log_dir.join(format!("clock-{i}"));
+        // Written whole, then renamed: libfaketime never reads half a file.
+        let next = self.log_dir.join(format!("clock-{i}.next"));
+        std::fs::write(&next, format!("{seconds:+}"))?;
+        std::fs::rename(next, file)?;
+        Ok(())
     }
 
     /// Sends `signal` (`STOP`, `CONT`) to instance `i`'s process.

@@ -190,7 +190,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             .as_millis()
     );
     let history = Arc::new(Mutex::new(History::default()));
-    let fleet = Arc::new(fleet::Fleet::start(&args).await?);
+    let skewed = kinds.contains(&faults::Kind::ClockSkew);
+    let fleet = Arc::new(fleet::Fleet::start(&args, skewed).await?);
     let posts = Arc::new(writers::Posts::seed(&fleet, args.posts, &history, clock).await?);
     fleet.start_instances().await?;
     fleet.until_healthy(Duration::from_secs(60)).await?;

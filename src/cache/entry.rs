@@ -83,6 +83,11 @@ pub const FLAG_BACKOFF: u8 = 1;
 /// readers; kept as the fail-safe copy (a deleted item's is a not-found
 /// entry, so that its old body never comes back).
 pub const FLAG_INVALIDATED: u8 = 2;
+/// Flag: a change was applied after this entry was read, with
+/// STALE_WHILE_REVALIDATE on: never fresh again, whatever a reader's clock
+/// says of its fresh_until (the applier's clock, set to when it applied the
+/// change); served stale in the grace window counted from then.
+pub const FLAG_CHANGED: u8 = 4;
 
 /// The start of a leader's claim in a value key (see above): a NUL, never
 /// an envelope's version byte, then a name for people reading the key.
@@ -350,6 +355,11 @@ impl Entry {
         self.flags & FLAG_INVALIDATED != 0
     }
 
+    /// Whether a change made it stale (see [`FLAG_CHANGED`]).
+    pub fn is_changed(&self) -> bool {
+        self.flags & FLAG_CHANGED != 0
+    }
+
     /// The same entry marked as a backoff copy until `until` (unix ms), as
     /// the finish script stores it: no longer invalidated, since a failed
     /// load re-serves it on purpose.
@@ -368,6 +378,19 @@ impl Entry {
     pub fn as_invalidated(&self) -> Self {
         let mut raw = self.raw.to_vec();
         raw[FLAGS_AT] = (raw[FLAGS_AT] | FLAG_INVALIDATED) & !FLAG_BACKOFF;
+        Self {
+            flags: raw[FLAGS_AT],
+            raw: Bytes::from(raw),
+            ..self.clone()
+        }
+    }
+
+    /// The same entry flagged CHANGED (what a change applied with
+    /// STALE_WHILE_REVALIDATE on makes of it, its fresh_until aside).
+    #[cfg(test)]
+    pub fn as_changed(&self) -> Self {
+        let mut raw = self.raw.to_vec();
+        raw[FLAGS_AT] |= FLAG_CHANGED;
         Self {
             flags: raw[FLAGS_AT],
             raw: Bytes::from(raw),

@@ -83,7 +83,9 @@ pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Ve
         } else {
             Verdict::Backoff(entry)
         }
-    } else if now < fresh_until {
+    } else if now < fresh_until && !entry.is_changed() {
+        // (A changed entry's fresh_until is the applier's clock when it
+        // applied the change: never fresh again, on any reader's clock.)
         Verdict::Fresh(entry)
     } else if !grace.is_zero() && now < fresh_until.saturating_add(millis(grace)) {
         Verdict::StaleInGrace(entry)
@@ -224,6 +226,37 @@ mod tests {
     /// loader's: a skew of d moves the verdict by exactly d, no more. (The
     /// value key's Redis TTL, on Redis's clock, bounds how long any instance
     /// can serve it.)
+    /// A change applied with STALE_WHILE_REVALIDATE on sets fresh_until to
+    /// the applier's clock; a reader whose clock is behind it still finds
+    /// the entry stale (its grace window alone moves with the skew).
+    #[test]
+    fn a_changed_entry_is_never_fresh_on_a_clock_behind_the_applier() {
+        let entry = Entry::stamped(Status::Found, b"x", 10_000, 20_000, Duration::ZERO);
+        // Applied at 15,000 on the applier's clock; the reader's is 2 s behind.
+        let changed = Entry::stamped(Status::Found, b"x", 10_000, 15_000, Duration::ZERO);
+        let grace = Duration::from_millis(5_000);
+        let reader_now = 15_000 - 2_000;
+        assert!(matches!(
+            judge(Some(entry), reader_now, grace, 0),
+            Verdict::Fresh(_)
+        ));
+        assert!(
+            matches!(
+                judge(Some(changed.clone()), reader_now, grace, 0),
+                Verdict::Fresh(_)
+            ),
+            "without the flag, the skew makes it fresh"
+        );
+        assert!(matches!(
+            judge(Some(changed.as_changed()), reader_now, grace, 0),
+            Verdict::StaleInGrace(_)
+        ));
+        assert!(matches!(
+            judge(Some(changed.as_changed()), 20_000, grace, 0),
+            Verdict::Miss
+        ));
+    }
+
     #[test]
     fn a_clock_skew_moves_the_verdict_by_the_skew() {
         let entry = Entry::stamped(Status::Found, b"x", 10_000, 11_000, Duration::ZERO);
@@ -291,7 +324,7 @@ mod properties {
             status(),
             0u64..1_000_000,
             0u64..1_000_000,
-            0u8..3,
+            0u8..4,
             0u64..3_000_000,
             0u64..10_000,
         )
@@ -307,6 +340,7 @@ mod properties {
                     match flag {
                         1 => e.as_backoff(backoff_until),
                         2 => e.as_invalidated(),
+                        3 => e.as_changed(),
                         _ => e,
                     }
                 },
@@ -337,7 +371,7 @@ mod properties {
                 _ if e.is_invalidated() => Verdict::Miss,
                 _ if e.is_backoff() && now < e.backoff_until() => Verdict::Backoff(e.clone()),
                 _ if e.is_backoff() => Verdict::Miss,
-                _ if now < e.fresh_until() => Verdict::Fresh(e.clone()),
+                _ if now < e.fresh_until() && !e.is_changed() => Verdict::Fresh(e.clone()),
                 _ if in_grace => Verdict::StaleInGrace(e.clone()),
                 _ => Verdict::Miss,
             };

@@ -14,6 +14,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use bytes::Bytes;
+
 use super::{
     answer::{Answer, Outcome, ReadError, Served},
     context::Context,
@@ -24,7 +26,7 @@ use super::{
     source::Source,
 };
 use crate::{
-    cache::{claim_of, now_millis, Entry, ItemKeys},
+    cache::{claim_of, message::Message, now_millis, Entry, ItemKeys},
     redis::{Before, LockTtl, Notice, RedisError, Subscription, ValueClaim, RETRY},
     telemetry::metrics,
 };
@@ -68,10 +70,11 @@ pub(super) struct Coordinator<'a, S: Source> {
     failure: Option<RedisError>,
     /// What the claim that won the lock read, for the leader.
     claimed: Option<Before>,
-    /// When this flight last looked at the value (unix ms, before the GET):
-    /// a message whose entry was loaded before then was published before
-    /// the look, and the look did not answer with it.
-    looked_at: u64,
+    /// The item's fence as this flight's last look at the value read it
+    /// (`None`: no look yet): a message published under another fence was
+    /// published before a change the look saw, or after one it did not
+    /// (`cache/message.rs`).
+    looked_fence: Option<Bytes>,
 }
 
 impl<'a, S: Source> Coordinator<'a, S> {
@@ -98,7 +101,7 @@ impl<'a, S: Source> Coordinator<'a, S> {
             hard: (deadline + ctx.settings.redis_timeout).into(),
             failure: None,
             claimed: None,
-            looked_at: 0,
+            looked_fence: None,
         }
     }
 
@@ -156,9 +159,15 @@ impl<'a, S: Source> Coordinator<'a, S> {
                     Err(failed) => self.failed(failed),
                 },
                 Step::Look => {
-                    self.looked_at = now_millis();
-                    match bounded(self.hard, self.ctx.redis.lookup(&self.keys.value)).await {
-                        Ok(entry) => {
+                    let keys = &self.keys;
+                    match bounded(
+                        self.hard,
+                        self.ctx.redis.lookup_fenced(&keys.value, &keys.fence),
+                    )
+                    .await
+                    {
+                        Ok((entry, fence)) => {
+                            self.looked_fence = Some(fence);
                             self.claim_value = entry.is_none();
                             Event::Looked(self.judge(entry))
                         }
@@ -264,30 +273,41 @@ impl<'a, S: Source> Coordinator<'a, S> {
         Ok(match notice {
             // The leader was fenced or gone: elect again.
             Ok(Notice::Message(payload)) if payload.as_ref() == RETRY => None,
-            Ok(Notice::Message(payload)) => match Entry::decode(payload) {
-                // Loaded before this flight's last look, which did not find
-                // it: stored before the look and gone by then (a change
-                // applied), or published without being stored. A message
-                // the shared subscription dispatched late, or one published
-                // before this flight subscribed to a channel other flights
-                // of this process kept, is such a message: served, it would
-                // take this process back to a version older than one it may
-                // have served meanwhile. Look again instead (a message just
-                // as the store lands costs one more GET).
-                Ok(entry) if entry.stored_at() < self.looked_at => {
-                    tracing::debug!(
-                        channel = keys.channel,
-                        "a ready message older than the last look; looking again"
-                    );
-                    None
+            Ok(Notice::Message(payload)) => {
+                let message = Message::parse(payload);
+                match Entry::decode(message.entry.clone()) {
+                    Err(error) => {
+                        metrics::garbage("message");
+                        tracing::warn!(%error, channel = keys.channel, "undecodable ready message ignored");
+                        None
+                    }
+                    // Published under another fence than this flight's last
+                    // look read: before a change the look saw (the entry was
+                    // stored, then a change took it away: served, it would
+                    // be older than the change, and older than a version
+                    // this process may have served meanwhile; a message the
+                    // shared subscription dispatched late, or one published
+                    // before this flight subscribed to a channel other
+                    // flights of this process kept, is such a message), or
+                    // after a change the look did not see. Look again
+                    // instead (one more GET). No clock is compared: the
+                    // fence is Redis's, read atomically with the store and
+                    // with the look.
+                    Ok(_)
+                        if self
+                            .looked_fence
+                            .as_ref()
+                            .is_some_and(|looked| !message.published_under(looked)) =>
+                    {
+                        tracing::debug!(
+                            channel = keys.channel,
+                            "a ready message under another fence than the last look's; looking again"
+                        );
+                        None
+                    }
+                    Ok(entry) => Some(entry),
                 }
-                Ok(entry) => Some(entry),
-                Err(error) => {
-                    metrics::garbage("message");
-                    tracing::warn!(%error, channel = keys.channel, "undecodable ready message ignored");
-                    None
-                }
-            },
+            }
             // Messages may have been lost (reconnect, lag).
             Ok(Notice::Recheck) => None,
             // The lock's expiry (look, maybe lead) or the deadline.

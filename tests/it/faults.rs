@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use fred::prelude::*;
 use futures::future::join_all;
 use postcache::{
-    cache::{Entry, Status},
+    cache::{message, Entry, Status},
     testkit::{fire, wait_until, RedisServer, TableLock, TestApp, TestEnv, A_WHILE, PATIENT},
 };
 
@@ -491,6 +491,72 @@ async fn oversized_paths_get_414_and_oversized_headers_431() {
     assert_eq!(app.get("/posts/1").await.status, 200, "still serving");
 }
 
+/// A ready message is judged by the fence it was published under, never
+/// by comparing clocks. Here a leader elsewhere, whose clock is 10 s ahead,
+/// published the old row just before a change that the waiter's look saw
+/// (the fence), and the message reaches the waiter after its look (a
+/// subscription dispatched late): it looks again instead of serving the
+/// old row. Compared by store time, as it was, the message looked newer
+/// than the look and was served.
+#[tokio::test]
+async fn a_ready_message_published_before_a_change_the_look_saw_is_not_served() {
+    let env = TestEnv::new(10).await;
+    env.claim(2, "outsider", Duration::from_secs(10)).await;
+    // The change, applied before the waiter looks: its fence.
+    env.set(&env.keys.fence(2), "200", Duration::from_secs(60))
+        .await;
+    let app = env.spawn(&["--wait-timeout", "5s"]).await;
+    let pending = app.http.spawn_get("/posts/2");
+    let channel = env.keys.channel(2);
+    wait_until("the subscription", A_WHILE, async || {
+        env.numsub(&channel).await > 0
+    })
+    .await;
+    // The look after the subscription is done once the waiter sleeps.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let ahead = postcache::cache::now_millis() + 10_000;
+    let old = Entry::stamped(
+        Status::Found,
+        br#"{"id":2,"title":"old"}"#,
+        ahead,
+        ahead + 60_000,
+        Duration::ZERO,
+    );
+    let _: () = env
+        .redis
+        .publish(&channel, message::framed(b"100", old.raw()))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !pending.is_finished(),
+        "answered by the message from before the change"
+    );
+
+    // The leader after the change: stored under the fence the look saw.
+    let new = Entry::new(
+        Status::Found,
+        br#"{"id":2,"title":"new"}"#,
+        Duration::from_secs(60),
+        Duration::ZERO,
+    );
+    env.set(
+        &env.keys.value(2),
+        new.raw().clone(),
+        Duration::from_secs(60),
+    )
+    .await;
+    let _: () = env
+        .redis
+        .publish(&channel, message::framed(b"200", new.raw()))
+        .await
+        .unwrap();
+    let (reply, _) = pending.await.unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(&reply.body[..], br#"{"id":2,"title":"new"}"#);
+}
+
 #[tokio::test]
 async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
     let env = TestEnv::new(10).await;
@@ -522,10 +588,7 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
     })
     .await;
     assert!(!pending.is_finished(), "answered by garbage");
-    // Then what a leader's finish does: store, then publish. (Every piece
-    // of garbage made the waiter look again, so an entry that was never
-    // stored, made before its last look, would be taken for one published
-    // before it and ignored.)
+    // Then what a leader's finish does: store, then publish.
     let entry = Entry::new(
         Status::Found,
         br#"{"id":2}"#,
@@ -539,9 +602,10 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
         Duration::from_secs(60),
     )
     .await;
+    // Framed as a finish frames it: under the item's fence (none).
     let _: () = env
         .redis
-        .publish(&channel, entry.raw().clone())
+        .publish(&channel, message::framed(b"", entry.raw()))
         .await
         .unwrap();
     let (reply, _) = pending.await.unwrap();

@@ -42,6 +42,22 @@ impl RedisCommands {
         Ok(decoded(key, raw))
     }
 
+    /// The entry at `value` and the item's fence key `fence` (in the same
+    /// slot), read together in one round trip: a waiter's look, by whose
+    /// fence it judges the messages it hears later (`cache/message.rs`).
+    /// The fence's bytes are empty when there is none.
+    pub async fn lookup_fenced(
+        &self,
+        value: &str,
+        fence: &str,
+    ) -> Result<(Option<Entry>, Bytes), RedisError> {
+        let node = self.nodes().for_key(value);
+        let mut read = self.read_node(&node, &[value, fence]).await.into_iter();
+        let mut next = || read.next().unwrap_or(Err(RedisError::Reply("mget")));
+        let (raw, fenced) = (next()?, next()?);
+        Ok((decoded(value, raw), fenced.unwrap_or_default()))
+    }
+
     /// One GET, unbatched.
     async fn get_raw(&self, key: &str) -> Result<Option<Bytes>, RedisError> {
         self.on_node(

@@ -48,11 +48,17 @@ local function apply_one(K, A)
   elseif copy and status(value) == $FOUND then
     if tonumber(A.grace_ms) > 0 and not has(value, $BACKOFF) and not has(value, $INVALIDATED) then
       -- Stale-while-revalidate: fresh until now, so readers get it marked
-      -- stale for the grace window while one refresh reloads it.
+      -- stale for the grace window while one refresh reloads it; flagged
+      -- CHANGED, so that a reader whose clock is behind this one's never
+      -- takes it for fresh (its grace window alone moves with the skew).
       if u64(value, $FRESH_UNTIL) > u64(A.now, 1) then
         value = string.sub(value, 1, $FRESH_UNTIL - 1) .. A.now .. string.sub(value, $FRESH_UNTIL + 8)
-        redis.call('SET', K.value, value, 'KEEPTTL')
       end
+      if not has(value, $CHANGED) then
+        local flags = bit.bor(string.byte(value, $FLAGS), $CHANGED)
+        value = string.sub(value, 1, $FLAGS - 1) .. string.char(flags) .. string.sub(value, $FLAGS + 1)
+      end
+      redis.call('SET', K.value, value, 'KEEPTTL')
     elseif not has(value, $INVALIDATED) then
       -- Never served again; the body stays as the fail-safe copy.
       redis.call('SET', K.value, invalidated(value), 'KEEPTTL')

@@ -392,6 +392,10 @@ mod contract {
         let stale = get(&client, &keys.value).await.expect("kept");
         assert_eq!(stale.body(), found.body());
         assert!(stale.fresh_until() <= now_millis());
+        assert!(
+            stale.is_changed(),
+            "never fresh again, on any reader's clock"
+        );
         assert!(!stale.is_invalidated(), "served stale in the grace window");
         // Kept as the fail-safe copy past the grace window.
         let ttl: i64 = client.pttl(&keys.value).await.unwrap();

@@ -109,7 +109,8 @@ return replies
     )
 }
 
-/// A Lua script with the envelope's layout filled in.
+/// A Lua script with the envelope's layout (and the ready messages' frame)
+/// filled in.
 pub(super) fn with_layout(lua: &str) -> String {
     // Lua's string.byte counts from 1.
     let at = |offset: usize| (offset + 1).to_string();
@@ -127,6 +128,8 @@ pub(super) fn with_layout(lua: &str) -> String {
         .replace("$BACKOFF_UNTIL", &at(entry::BACKOFF_UNTIL_AT))
         .replace("$BACKOFF", &entry::FLAG_BACKOFF.to_string())
         .replace("$INVALIDATED", &entry::FLAG_INVALIDATED.to_string())
+        .replace("$CHANGED", &entry::FLAG_CHANGED.to_string())
+        .replace("$FRAMED", &crate::cache::message::FRAMED.to_string())
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use fred::prelude::*;
 
 use super::*;
 use crate::{
-    cache::{Keys as Names, Status},
+    cache::{message::framed, Keys as Names, Status},
     redis::scripts::contract::{assert_reads, clean, heard, put_for, redis, run},
 };
 
@@ -75,7 +75,12 @@ async fn stored_and_published(
             published: Some(entry.clone())
         }
     );
-    assert_eq!(message.as_ref(), Some(entry.raw()));
+    // Framed with the item's fence as it is (cache/message.rs).
+    let fence: Option<Bytes> = client.get(&keys.fence).await.unwrap();
+    assert_eq!(
+        message,
+        Some(framed(&fence.unwrap_or_default(), entry.raw()))
+    );
     // One key, the body stored once.
     assert_eq!(get(client, &keys.value).await.as_ref(), Some(entry));
     let ttl = pttl(client, &keys.value).await;
@@ -86,6 +91,29 @@ async fn stored_and_published(
 fn the_script_reads_exactly_the_names_the_call_sends() {
     assert_reads(&lua(), 'K', &[Keys::<()>::NAMES]);
     assert_reads(&lua(), 'A', &[Argv::<()>::NAMES]);
+}
+
+/// A waiter judges a message by the fence it read when it looked
+/// (read_path/waiter.rs): the message carries the fence as it was when it
+/// was published, read in the same script as the store.
+#[tokio::test]
+async fn the_message_carries_the_fence_it_was_published_under() {
+    let (client, prefix) = redis().await;
+    let keys = Names::new(&prefix, "post").item(1);
+    let entry = found("new");
+    put(&client, &keys.lock, "ours").await;
+    put(&client, &keys.fence, "4242").await;
+
+    let (_, message) = run_heard(&client, &finish(&keys, &entry, "4242")).await;
+
+    let message = crate::cache::message::Message::parse(message.expect("published"));
+    assert_eq!(message.fence.as_deref(), Some(&b"4242"[..]));
+    assert_eq!(&message.entry, entry.raw());
+    assert!(message.published_under(b"4242"));
+    assert!(
+        !message.published_under(b""),
+        "not under the look before the change"
+    );
 }
 
 #[tokio::test]
@@ -455,7 +483,12 @@ async fn a_claim_gone_stores_nothing_and_answers_what_is_stored_or_retry() {
     put(&client, &keys.value, theirs.raw().clone()).await;
     let (reply, message) = run_heard(&client, &claimed_finish(&keys, &entry, "")).await;
     assert_eq!(reply.published.as_ref(), Some(&theirs));
-    assert_eq!(message.as_ref(), Some(theirs.raw()));
+    // Under the fence as it is (a change fenced it earlier in this test).
+    let fence: Option<Bytes> = client.get(&keys.fence).await.unwrap();
+    assert_eq!(
+        message,
+        Some(framed(&fence.unwrap_or_default(), theirs.raw()))
+    );
     assert_eq!(get(&client, &keys.value).await.as_ref(), Some(&theirs));
 
     // The claim intact under a fence that moved (a change applied before

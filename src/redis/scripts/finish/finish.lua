@@ -38,6 +38,12 @@ end
 -- item existed, or a negative entry, which is as good).
 local function is_copy(s) return status(s) == $FOUND or status(s) == $NOT_FOUND end
 
+-- What is published: `payload` framed with the item's fence as it is now
+-- (cache/message.rs), by which a waiter that looked earlier judges it.
+local function framed(K, payload)
+  return string.char($FRAMED) .. (redis.call('GET', K.fence) or '') .. '\n' .. payload
+end
+
 -- Stores `value` at `key` for `ms`; true, for the caller's `wrote`.
 local function store(key, value, ms)
   redis.call('SET', key, value, 'PX', ms)
@@ -59,7 +65,7 @@ local function finish_one(K, A)
     -- another leader stored since is published; else the waiters are told
     -- to elect a leader again, as after a change.
     if valid(holder) then
-      redis.call(A.publish, A.channel, holder)
+      redis.call(A.publish, A.channel, framed(K, holder))
       return {0, holder, 0}
     end
     redis.call(A.publish, A.channel, A.retry)
@@ -102,7 +108,7 @@ local function finish_one(K, A)
     publish = false
   elseif status(entry) == $FAILED then
     if current and status(current) ~= $FAILED and not has(current, $INVALIDATED)
-        and u64(current, $FRESH_UNTIL) > now and read_at(current) >= tonumber(A.cutoff) then
+        and not has(current, $CHANGED) and u64(current, $FRESH_UNTIL) > now and read_at(current) >= tonumber(A.cutoff) then
       payload = current
     else
       -- The last good copy: what the value key keeps past freshness (found,
@@ -137,7 +143,7 @@ local function finish_one(K, A)
     end
   end
   if publish then
-    redis.call(A.publish, A.channel, payload)
+    redis.call(A.publish, A.channel, framed(K, payload))
   end
   if ours then
     -- A claim in the value key was overwritten by what was stored.
