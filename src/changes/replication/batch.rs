@@ -42,7 +42,10 @@ impl Pending {
             self.every_post();
             return;
         };
-        self.posts.insert(id, kind);
+        self.posts
+            .entry(id)
+            .and_modify(|kept| *kept = kept.and(kind))
+            .or_insert(kind);
         if self.posts.len() >= BULK {
             self.every_post();
         }
@@ -121,8 +124,14 @@ impl Batch {
         }
         self.xids.push(tx.xid);
         for (id, kind) in tx.posts {
-            // Applied with this later change, or kept with it.
-            progress.retry.remove(&id);
+            // Applied with this later change, or kept with it (a delete
+            // among them stays a delete: see `ChangeKind::and`).
+            let retried = progress.retry.remove(&id).map(|(kind, _)| kind);
+            let batched = self.posts.get(&id).map(|(kind, _)| *kind);
+            let kind = [retried, batched]
+                .into_iter()
+                .flatten()
+                .fold(kind, ChangeKind::and);
             self.posts.insert(id, (kind, lsn.0));
         }
         self.last = Some(lsn);
@@ -192,12 +201,11 @@ impl DecoderProgress {
         if self.held_at.is_none() {
             self.held_at = Some(self.applied);
         }
-        match self.retry.get(&id) {
-            Some((_, kept)) if *kept > lsn => {}
-            _ => {
-                self.retry.insert(id, (kind, lsn));
-            }
-        }
+        let (kind, lsn) = match self.retry.get(&id) {
+            Some((kept_kind, kept)) => (kept_kind.and(kind), lsn.max(*kept)),
+            None => (kind, lsn),
+        };
+        self.retry.insert(id, (kind, lsn));
     }
 
     /// What may be confirmed to the server: everything before the oldest
@@ -248,14 +256,37 @@ mod tests {
         assert_eq!(batch.posts.len(), 3);
     }
 
+    /// A delete in a transaction, or in a batch, or kept for a retry, is
+    /// applied as a delete, whatever came after it: its copy gives way to
+    /// the tombstone, never served as stale (the post's later version is
+    /// loaded anew).
     #[test]
-    fn the_last_change_of_a_post_in_a_transaction_decides() {
+    fn a_delete_among_a_posts_changes_is_applied_as_a_delete() {
         let mut tx = Pending::new(0, 1);
         tx.note(Some(1), ChangeKind::Changed);
         tx.note(Some(1), ChangeKind::Deleted);
         tx.note(Some(2), ChangeKind::Deleted);
         tx.note(Some(2), ChangeKind::Changed);
+        tx.note(Some(3), ChangeKind::Changed);
+        tx.note(Some(3), ChangeKind::Changed);
         assert_eq!(tx.posts[&1], ChangeKind::Deleted);
-        assert_eq!(tx.posts[&2], ChangeKind::Changed);
+        assert_eq!(tx.posts[&2], ChangeKind::Deleted);
+        assert_eq!(tx.posts[&3], ChangeKind::Changed);
+
+        let mut progress = DecoderProgress::default();
+        progress.keep(4, ChangeKind::Deleted, 5);
+        progress.keep(4, ChangeKind::Changed, 7);
+        assert_eq!(progress.retry[&4], (ChangeKind::Deleted, 7));
+        let mut batch = Batch::default();
+        let mut first = Pending::new(0, 1);
+        first.note(Some(5), ChangeKind::Deleted);
+        batch.add(first, Lsn(10), &mut progress);
+        let mut second = Pending::new(0, 2);
+        second.note(Some(5), ChangeKind::Changed);
+        second.note(Some(4), ChangeKind::Changed);
+        batch.add(second, Lsn(20), &mut progress);
+        assert_eq!(batch.posts[&5], (ChangeKind::Deleted, 20));
+        assert_eq!(batch.posts[&4], (ChangeKind::Deleted, 20));
+        assert!(progress.retry.is_empty());
     }
 }

@@ -115,6 +115,21 @@ pub enum ChangeKind {
     Changed,
 }
 
+impl ChangeKind {
+    /// The one change applied for two changes of an item: a delete in
+    /// either is kept. (A change keeps the copy servable as stale with
+    /// STALE_WHILE_REVALIDATE on; a delete replaces it with the tombstone,
+    /// which readers never get. Found: a post deleted and inserted again,
+    /// both applied as one change, had its body from before the delete
+    /// served as stale, 3 to 7 times in a 30 s run of the checker.)
+    pub fn and(self, other: Self) -> Self {
+        match (self, other) {
+            (Self::Changed, Self::Changed) => Self::Changed,
+            _ => Self::Deleted,
+        }
+    }
+}
+
 /// The lifetimes the application of a change writes with.
 #[derive(Debug, Clone, Copy)]
 pub struct ApplyFor {
