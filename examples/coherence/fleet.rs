@@ -560,6 +560,7 @@ pub fn run_instance() -> anyhow::Result<()> {
         lose_change,
         no_floors: defects.contains(&"no-floors"),
         blind_decoder: defects.contains(&"blind-decoder"),
+        changed_unflagged: defects.contains(&"changed-unflagged"),
         ..Hooks::default()
     };
     tokio::runtime::Builder::new_multi_thread()

@@ -29,7 +29,8 @@
 //! With `--lose-changes N` or `--defect` the instances are this program
 //! itself, running the service with a deliberate defect through the
 //! testkit's hooks (the decoder loses one change in N; no floors; a decoder
-//! that beats unproven): the checker must report it.
+//! that beats unproven; a changed entry judged by two hosts' clocks): the
+//! checker must report it.
 
 mod faults;
 mod fleet;
@@ -109,8 +110,10 @@ pub struct Args {
     pub lose_changes: Option<u64>,
     /// A deliberate defect of the instances (repeatable): `no-floors` (a
     /// process may go back in time), `blind-decoder` (the decoder beats
-    /// "nothing behind" unproven). The checker must fail.
-    #[arg(long = "defect", value_parser = ["no-floors", "blind-decoder"])]
+    /// "nothing behind" unproven), `changed-unflagged` (an entry a change
+    /// made stale with STALE_WHILE_REVALIDATE on is judged by the
+    /// applier's clock against the reader's). The checker must fail.
+    #[arg(long = "defect", value_parser = ["no-floors", "blind-decoder", "changed-unflagged"])]
     pub defects: Vec<String>,
     /// The share of single reads that ask for no staleness at all
     /// (`PostCache-Max-Staleness: 0ms`, answered past the cache).

@@ -9,7 +9,9 @@
 //! 1       1     status: 0 found, 1 not found, 2 failed (messages and failure markers),
 //!               3 too large (a marker: the item is over MAX_ENTRY_BYTES, load it yourself)
 //! 2       1     flags: bit 0 BACKOFF, a stale copy re-served after a failed load;
-//!               bit 1 INVALIDATED, a copy a change made untrustworthy
+//!               bit 1 INVALIDATED, a copy a change made untrustworthy;
+//!               bit 2 CHANGED, made stale by a change with
+//!               STALE_WHILE_REVALIDATE on: never fresh again
 //! 3       8     stored_at, unix milliseconds, big endian
 //! 11      8     fresh_until, unix milliseconds: the logical freshness deadline
 //! 19      4     load time of the load that produced it, microseconds
@@ -391,6 +393,19 @@ impl Entry {
     pub fn as_changed(&self) -> Self {
         let mut raw = self.raw.to_vec();
         raw[FLAGS_AT] |= FLAG_CHANGED;
+        Self {
+            flags: raw[FLAGS_AT],
+            raw: Bytes::from(raw),
+            ..self.clone()
+        }
+    }
+
+    /// The same entry without its CHANGED flag (the coherence checker's
+    /// `changed-unflagged` defect: judged as before the flag).
+    #[cfg(feature = "testkit")]
+    pub fn unflagged_changed(&self) -> Self {
+        let mut raw = self.raw.to_vec();
+        raw[FLAGS_AT] &= !FLAG_CHANGED;
         Self {
             flags: raw[FLAGS_AT],
             raw: Bytes::from(raw),

@@ -93,6 +93,11 @@ impl<S: Source> Context<S> {
         grace: std::time::Duration,
     ) -> super::freshness::Verdict {
         use super::freshness::{judge, Verdict};
+        #[cfg(feature = "testkit")]
+        let entry = match self.settings.hooks.changed_unflagged {
+            true => entry.map(|entry| entry.unflagged_changed()),
+            false => entry,
+        };
         match judge(entry, now, grace, self.cutoff()) {
             Verdict::Backoff(_) if self.loader.answered_within(self.settings.failure_ttl) => {
                 Verdict::Miss

@@ -159,6 +159,11 @@ pub struct Hooks {
     /// beats "nothing behind" without proving it (liveness.rs), as it did
     /// before: blind to a connection that went silent.
     pub blind_decoder: bool,
+    /// A deliberate defect, for the coherence checker to find: an entry a
+    /// change made stale with STALE_WHILE_REVALIDATE on is judged by its
+    /// freshness deadline alone (the applier's clock) against this
+    /// process's clock, its CHANGED flag ignored, as before the flag.
+    pub changed_unflagged: bool,
 }
 
 /// An async callback run at a point of the protocol, given the value key.
@@ -177,6 +182,7 @@ impl std::fmt::Debug for Hooks {
             .field("lose_change", &self.lose_change.is_some())
             .field("no_floors", &self.no_floors)
             .field("blind_decoder", &self.blind_decoder)
+            .field("changed_unflagged", &self.changed_unflagged)
             .finish()
     }
 }
