@@ -444,7 +444,9 @@ impl<S: Source> ReadPath<S> {
         self.flights.detach(key);
         // A change may be an insert; a deletion leaves the guard as it is
         // (see existence.rs).
-        if let (Some(ordinal), ChangeKind::Changed) = (S::ordinal(key), kind) {
+        if let (Some(ordinal), ChangeKind::Changed | ChangeKind::Recreated) =
+            (S::ordinal(key), kind)
+        {
             self.existence.admit(ordinal);
         }
         applied

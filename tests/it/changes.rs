@@ -117,6 +117,65 @@ async fn updates_and_deletes_reach_every_instance_on_a_redis_cluster_in_trigger_
     updates_and_deletes_reach_every_instance(&env, "trigger").await;
 }
 
+/// A post deleted and inserted again in one transaction, applied as one
+/// change: applied as a delete (its copy gives way to the tombstone, never
+/// served as stale), and the post exists (each instance's existence guard
+/// admits it). Applied as an update, post 6's copy from before the delete
+/// was served as stale; applied as a bare delete, the guards, built while
+/// post 5 was gone, answered 404 for it for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_post_deleted_and_inserted_again_in_one_transaction_is_served_everywhere() {
+    let env = TestEnv::new(10).await;
+    let run = async |sql: &str| {
+        sqlx::query(sql).execute(&env.admin).await.unwrap();
+    };
+    run("create table kept as select * from posts where id in (5, 6)").await;
+    run("delete from posts where id = 5").await;
+    let flags = [
+        "--change-feed",
+        "replication",
+        "--stale-while-revalidate",
+        "60s",
+        "--existence-guard",
+        "on",
+    ];
+    let apps = join_all((0..2).map(|_| env.spawn(&flags))).await;
+    for app in &apps {
+        wait_until("the guard built without post 5", A_WHILE, async || {
+            app.get("/posts/5").await.tier() == Some("guard")
+        })
+        .await;
+    }
+    warm(&apps, 6).await;
+    let old = apps[0].http.title(6).await.expect("post 6");
+
+    let mut tx = env.admin.begin().await.unwrap();
+    for sql in [
+        "insert into posts select * from kept where id = 5",
+        "delete from posts where id in (5, 6)",
+        "insert into posts select * from kept",
+        "update posts set title = 'again' where id in (5, 6)",
+    ] {
+        sqlx::query(sql).execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    for app in &apps {
+        wait_until("post 6 served again", A_WHILE, async || {
+            let reply = app.get("/posts/6").await;
+            let title = reply.json()["title"].as_str().map(str::to_owned);
+            assert!(
+                !(reply.x_cache.as_deref() == Some("stale") && title.as_deref() == Some(&old)),
+                "the copy from before the delete served as stale"
+            );
+            title.as_deref() == Some("again")
+        })
+        .await;
+    }
+    until_everywhere(&apps, 5, "again").await;
+    run("drop table kept").await;
+}
+
 /// Post 7's leader held after its SELECT, and a request for post 7 on
 /// another instance waiting for it: the window in which the tests of
 /// fencing change the row.

@@ -491,6 +491,22 @@ async fn oversized_paths_get_414_and_oversized_headers_431() {
     assert_eq!(app.get("/posts/1").await.status, 200, "still serving");
 }
 
+/// What a leader's finish does, from outside: stores `entry` as post `id`'s
+/// value, then publishes it framed under `fence` (cache/message.rs).
+async fn store_and_publish(env: &TestEnv, id: i64, entry: &Entry, fence: &[u8]) {
+    env.set(
+        &env.keys.value(id),
+        entry.raw().clone(),
+        Duration::from_secs(60),
+    )
+    .await;
+    let _: () = env
+        .redis
+        .publish(env.keys.channel(id), message::framed(fence, entry.raw()))
+        .await
+        .unwrap();
+}
+
 /// A ready message is judged by the fence it was published under, never
 /// by comparing clocks. Here a leader elsewhere, whose clock is 10 s ahead,
 /// published the old row just before a change that the waiter's look saw
@@ -541,17 +557,7 @@ async fn a_ready_message_published_before_a_change_the_look_saw_is_not_served() 
         Duration::from_secs(60),
         Duration::ZERO,
     );
-    env.set(
-        &env.keys.value(2),
-        new.raw().clone(),
-        Duration::from_secs(60),
-    )
-    .await;
-    let _: () = env
-        .redis
-        .publish(&channel, message::framed(b"200", new.raw()))
-        .await
-        .unwrap();
+    store_and_publish(&env, 2, &new, b"200").await;
     let (reply, _) = pending.await.unwrap();
     assert_eq!(reply.status, 200);
     assert_eq!(&reply.body[..], br#"{"id":2,"title":"new"}"#);
@@ -596,18 +602,8 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
         Duration::ZERO,
     );
     let published = Instant::now();
-    env.set(
-        &env.keys.value(2),
-        entry.raw().clone(),
-        Duration::from_secs(60),
-    )
-    .await;
-    // Framed as a finish frames it: under the item's fence (none).
-    let _: () = env
-        .redis
-        .publish(&channel, message::framed(b"", entry.raw()))
-        .await
-        .unwrap();
+    // Under the item's fence: none.
+    store_and_publish(&env, 2, &entry, b"").await;
     let (reply, _) = pending.await.unwrap();
     // Woken by the message, not by the lock's expiry (10 s) or the wait's
     // deadline (5 s, a 504).

@@ -44,7 +44,7 @@ impl Pending {
         };
         self.posts
             .entry(id)
-            .and_modify(|kept| *kept = kept.and(kind))
+            .and_modify(|kept| *kept = kept.then(kind))
             .or_insert(kind);
         if self.posts.len() >= BULK {
             self.every_post();
@@ -126,12 +126,14 @@ impl Batch {
         for (id, kind) in tx.posts {
             // Applied with this later change, or kept with it (a delete
             // among them stays a delete: see `ChangeKind::and`).
+            // Earlier, in this order: kept for a retry, then in this batch.
             let retried = progress.retry.remove(&id).map(|(kind, _)| kind);
             let batched = self.posts.get(&id).map(|(kind, _)| *kind);
-            let kind = [retried, batched]
+            let kind = [retried, batched, Some(kind)]
                 .into_iter()
                 .flatten()
-                .fold(kind, ChangeKind::and);
+                .reduce(ChangeKind::then)
+                .unwrap_or(kind);
             self.posts.insert(id, (kind, lsn.0));
         }
         self.last = Some(lsn);
@@ -202,7 +204,8 @@ impl DecoderProgress {
             self.held_at = Some(self.applied);
         }
         let (kind, lsn) = match self.retry.get(&id) {
-            Some((kept_kind, kept)) => (kept_kind.and(kind), lsn.max(*kept)),
+            Some((kept_kind, kept)) if *kept > lsn => (kind.then(*kept_kind), *kept),
+            Some((kept_kind, _)) => (kept_kind.then(kind), lsn),
             None => (kind, lsn),
         };
         self.retry.insert(id, (kind, lsn));
@@ -259,7 +262,8 @@ mod tests {
     /// A delete in a transaction, or in a batch, or kept for a retry, is
     /// applied as a delete, whatever came after it: its copy gives way to
     /// the tombstone, never served as stale (the post's later version is
-    /// loaded anew).
+    /// loaded anew). Written again after it, the post exists: recreated,
+    /// which the existence guard admits.
     #[test]
     fn a_delete_among_a_posts_changes_is_applied_as_a_delete() {
         let mut tx = Pending::new(0, 1);
@@ -270,23 +274,36 @@ mod tests {
         tx.note(Some(3), ChangeKind::Changed);
         tx.note(Some(3), ChangeKind::Changed);
         assert_eq!(tx.posts[&1], ChangeKind::Deleted);
-        assert_eq!(tx.posts[&2], ChangeKind::Deleted);
+        assert_eq!(tx.posts[&2], ChangeKind::Recreated);
         assert_eq!(tx.posts[&3], ChangeKind::Changed);
 
         let mut progress = DecoderProgress::default();
         progress.keep(4, ChangeKind::Deleted, 5);
         progress.keep(4, ChangeKind::Changed, 7);
-        assert_eq!(progress.retry[&4], (ChangeKind::Deleted, 7));
+        assert_eq!(progress.retry[&4], (ChangeKind::Recreated, 7));
+        // Kept out of order: the later one (by position) says last.
+        progress.keep(6, ChangeKind::Changed, 9);
+        progress.keep(6, ChangeKind::Deleted, 8);
+        assert_eq!(progress.retry[&6], (ChangeKind::Recreated, 9));
         let mut batch = Batch::default();
         let mut first = Pending::new(0, 1);
         first.note(Some(5), ChangeKind::Deleted);
+        first.note(Some(7), ChangeKind::Changed);
         batch.add(first, Lsn(10), &mut progress);
         let mut second = Pending::new(0, 2);
         second.note(Some(5), ChangeKind::Changed);
         second.note(Some(4), ChangeKind::Changed);
+        second.note(Some(7), ChangeKind::Deleted);
+        second.note(Some(6), ChangeKind::Changed);
         batch.add(second, Lsn(20), &mut progress);
-        assert_eq!(batch.posts[&5], (ChangeKind::Deleted, 20));
-        assert_eq!(batch.posts[&4], (ChangeKind::Deleted, 20));
+        assert_eq!(batch.posts[&5], (ChangeKind::Recreated, 20));
+        assert_eq!(batch.posts[&4], (ChangeKind::Recreated, 20));
+        assert_eq!(batch.posts[&7], (ChangeKind::Deleted, 20));
+        assert_eq!(batch.posts[&6], (ChangeKind::Recreated, 20));
         assert!(progress.retry.is_empty());
+        assert!([ChangeKind::Deleted, ChangeKind::Recreated]
+            .iter()
+            .all(|kind| kind.deletes()));
+        assert!(!ChangeKind::Changed.deletes());
     }
 }

@@ -410,17 +410,12 @@ impl Candidate {
                 continue;
             }
             if replicated == Replicated::Yes {
-                metrics::change_applied(
-                    match kind {
-                        ChangeKind::Deleted => "delete",
-                        ChangeKind::Changed => "update",
-                    },
-                    lag,
-                );
+                metrics::change_applied(if kind.deletes() { "delete" } else { "update" }, lag);
             } else {
                 progress.keep(id, kind, at);
             }
             ids.push(id);
+            // Recreated: it exists (the instances' guards admit it).
             if kind == ChangeKind::Deleted {
                 deleted.push(id);
             }

@@ -113,20 +113,31 @@ pub enum ChangeKind {
     Deleted,
     /// Anything else: what is stored is no longer to be trusted.
     Changed,
+    /// Deleted, then written again, applied as one change: applied as a
+    /// delete (its copy gives way to the tombstone, never served as stale),
+    /// and the item exists (the existence guard admits it).
+    Recreated,
 }
 
 impl ChangeKind {
-    /// The one change applied for two changes of an item: a delete in
-    /// either is kept. (A change keeps the copy servable as stale with
-    /// STALE_WHILE_REVALIDATE on; a delete replaces it with the tombstone,
-    /// which readers never get. Found: a post deleted and inserted again,
-    /// both applied as one change, had its body from before the delete
-    /// served as stale, 3 to 7 times in a 30 s run of the checker.)
-    pub fn and(self, other: Self) -> Self {
-        match (self, other) {
+    /// The one change applied for this change of an item and a `later` one.
+    /// A delete among them is applied as a delete: a change keeps the copy
+    /// servable as stale with STALE_WHILE_REVALIDATE on, a delete replaces
+    /// it with the tombstone, which readers never get. (Found: a post
+    /// deleted and inserted again, both applied as one update, had its body
+    /// from before the delete served as stale, 3 to 7 times in a 30 s run
+    /// of the checker.) Whether the item exists is the later change's say.
+    pub fn then(self, later: Self) -> Self {
+        match (self, later) {
             (Self::Changed, Self::Changed) => Self::Changed,
-            _ => Self::Deleted,
+            (_, Self::Deleted) => Self::Deleted,
+            _ => Self::Recreated,
         }
+    }
+
+    /// Whether its copy gives way to a tombstone (see `apply.lua`).
+    pub fn deletes(self) -> bool {
+        matches!(self, Self::Deleted | Self::Recreated)
     }
 }
 
@@ -199,10 +210,7 @@ impl Call for ApplyMany<'_> {
             args.extend(
                 Item {
                     change: Value::Integer(*change),
-                    kind: Value::from(match kind {
-                        ChangeKind::Deleted => "delete",
-                        ChangeKind::Changed => "change",
-                    }),
+                    kind: Value::from(if kind.deletes() { "delete" } else { "change" }),
                 }
                 .into_vec(),
             );
