@@ -125,7 +125,7 @@ impl Batch {
         self.xids.push(tx.xid);
         for (id, kind) in tx.posts {
             // Applied with this later change, or kept with it (a delete
-            // among them stays a delete: see `ChangeKind::and`).
+            // among them stays a delete: see `ChangeKind::then`).
             // Earlier, in this order: kept for a retry, then in this batch.
             let retried = progress.retry.remove(&id).map(|(kind, _)| kind);
             let batched = self.posts.get(&id).map(|(kind, _)| *kind);
