@@ -56,6 +56,8 @@ pub struct Application {
     /// DATABASE_REPLICA_URLS, and the task that probes them.
     replicas: Option<Arc<Replicas>>,
     _replicas: Option<AbortOnDropHandle<()>>,
+    /// SHUTDOWN_DELAY.
+    shutdown_delay: Duration,
 }
 
 /// The read path's settings from the cache settings, with LOAD_TIMEOUT and
@@ -185,8 +187,13 @@ impl Application {
             feed: feed.status(),
             caching,
             replicas: replicas.clone(),
-            store,
+            past: store::PastReads::new(
+                store::connect_past(&args.database, args.past_read_connections)?,
+                replicas.clone(),
+                args.load_timeout(),
+            ),
             min_lsn_wait: c.min_lsn_wait,
+            draining: Default::default(),
         });
         let limits = Limits {
             max_in_flight: args.max_in_flight,
@@ -223,6 +230,7 @@ impl Application {
             _guard: guard,
             replicas,
             _replicas: replicas_task,
+            shutdown_delay: args.shutdown_delay,
         })
     }
 
@@ -249,9 +257,24 @@ impl Application {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         tracing::info!(addr = %self.local_addr(), "listening");
+        // At the signal, readiness turns 503 first; the listener stops
+        // SHUTDOWN_DELAY later, serving until then (a load balancer takes
+        // the instance out of rotation meanwhile).
+        let (state, delay) = (self.state.clone(), self.shutdown_delay);
+        let shutdown = async move {
+            shutdown.await;
+            state.drain();
+            if !delay.is_zero() {
+                tracing::info!(
+                    delay = %humantime::format_duration(delay),
+                    "draining: /readyz answers 503, requests are served until SHUTDOWN_DELAY has passed"
+                );
+                tokio::time::sleep(delay).await;
+            }
+        };
         let (stop_admin, admin_stopped) = tokio::sync::watch::channel(false);
         let admin = self.admin.map(|listener| {
-            tracing::info!(addr = ?listener.local_addr().ok(), "admin listening (/metrics, /readyz)");
+            tracing::info!(addr = ?listener.local_addr().ok(), "admin listening (/livez, /readyz, /metrics)");
             let mut stopped = admin_stopped.clone();
             let app = http::admin_app(self.state.clone());
             tokio::spawn(async move {
@@ -288,6 +311,7 @@ impl Application {
         let close = async {
             self.state.db.close().await;
             self.state.probe.close().await;
+            self.state.past.close().await;
             if let Some(replicas) = &self.replicas {
                 replicas.close().await;
             }

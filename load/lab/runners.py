@@ -34,6 +34,16 @@ def build(args, *extra, only_if_stale=False):
     return binary
 
 
+def this_and_old(args):
+    """build(), then the binaries a side-by-side scenario runs: this build,
+    and --old's if given, as (name, path) pairs."""
+    new = build(args)
+    binaries = [("this build", new)]
+    if args.old:
+        binaries.append(("old", os.path.abspath(args.old)))
+    return new, binaries
+
+
 def build_with_example(args, name):
     """build(), then the release example name, built apart (built together,
     the binary would get the examples' testkit feature) unless --no-build;

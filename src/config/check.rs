@@ -21,6 +21,10 @@ const MIN_REPLICATION_TIMEOUT: Duration = Duration::from_secs(1);
 /// decoder waits this long after each batch it applies.
 const MAX_REDIS_REPLICA_WAIT: Duration = Duration::from_secs(5);
 
+/// The longest SHUTDOWN_DELAY: a load balancer's notice takes seconds, and
+/// an orchestrator's grace period is rarely more than minutes.
+const MAX_SHUTDOWN_DELAY: Duration = Duration::from_secs(600);
+
 /// LOAD_TIMEOUT's margin over DB_STATEMENT_TIMEOUT when it is not set.
 const LOAD_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
 
@@ -175,6 +179,20 @@ impl ServeArgs {
         ] {
             at_most_a_year(name, d)?;
         }
+        anyhow::ensure!(
+            self.past_read_connections > 0,
+            "PAST_READ_CONNECTIONS must be positive"
+        );
+        anyhow::ensure!(
+            self.past_read_connections as usize <= MAX_COUNT,
+            "PAST_READ_CONNECTIONS must be at most {MAX_COUNT}"
+        );
+        anyhow::ensure!(
+            self.shutdown_delay <= MAX_SHUTDOWN_DELAY,
+            "SHUTDOWN_DELAY ({}) must be at most {}: the process only waits out the load balancer's notice",
+            humantime::format_duration(self.shutdown_delay),
+            humantime::format_duration(MAX_SHUTDOWN_DELAY)
+        );
         anyhow::ensure!(
             self.redis_replica_wait <= MAX_REDIS_REPLICA_WAIT,
             "REDIS_REPLICA_WAIT ({}) must be at most {}: the decoder waits this long after each batch while a replica does not answer",

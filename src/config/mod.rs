@@ -174,6 +174,23 @@ pub struct ServeArgs {
     #[arg(long, env = "IDLE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     pub idle_timeout: Duration,
 
+    /// Connections of a pool of their own for what reads that need
+    /// PostgreSQL's word run there (`PostCache-Max-Staleness` the feed
+    /// cannot vouch for, a `PostCache-Min-LSN` it has not reached): the
+    /// rounds that ask the primary's position, once for every such read
+    /// waiting, and the rows read past the cache. Past them a read is shed
+    /// (503, `Retry-After`); the loads' pool is never used.
+    #[arg(long, env = "PAST_READ_CONNECTIONS", default_value_t = 2)]
+    pub past_read_connections: u32,
+
+    /// After SIGTERM (or Ctrl-C), how long `/readyz` answers 503
+    /// `draining` while requests are still served, before the listener
+    /// stops accepting and drains: time for a load balancer or Kubernetes
+    /// to take the instance out of rotation (5s there; at most 10m). 0: the
+    /// listener stops at once.
+    #[arg(long, env = "SHUTDOWN_DELAY", default_value = "0s", value_parser = parse_duration)]
+    pub shutdown_delay: Duration,
+
     /// How changes to `posts` in PostgreSQL, by any writer, invalidate the
     /// cache fleet-wide within milliseconds: `replication` (logical
     /// replication, one decoder per fleet; writers untouched), `trigger`

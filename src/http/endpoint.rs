@@ -147,10 +147,12 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// The admin routes (ADMIN_ADDR): `/readyz` and `/metrics` only, without
-/// the bounds of the public endpoint (a monitoring port is not the load's).
+/// The admin routes (ADMIN_ADDR): `/livez`, `/readyz` and `/metrics` only,
+/// without the bounds of the public endpoint (a monitoring port is not the
+/// load's: no cap sheds its probes).
 pub fn admin_app(state: AppState) -> Router {
     Router::new()
+        .route("/livez", get(handlers::livez))
         .route("/readyz", get(handlers::readyz))
         .route("/metrics", get(handlers::metrics))
         .fallback(handlers::not_found)

@@ -57,8 +57,12 @@ pub enum ApiError {
         "invalid PostCache-Max-Staleness: a number of milliseconds or seconds, such as 250ms or 2s"
     )]
     InvalidMaxStaleness,
-    #[error("PostCache-Min-LSN {asked} is past the database's WAL position {server}: not a position a client can have seen")]
-    MinLsnAhead { asked: String, server: String },
+    #[error("{0} was given more than once: give it once")]
+    RepeatedHeader(&'static str),
+    /// The server's own position is not said: it is no business of a
+    /// client's.
+    #[error("PostCache-Min-LSN {asked} is past the database's WAL position: not a position a client can have seen")]
+    MinLsnAhead { asked: String },
 }
 
 impl ApiError {
@@ -69,6 +73,7 @@ impl ApiError {
             | ApiError::InvalidIds(_)
             | ApiError::InvalidMinLsn
             | ApiError::InvalidMaxStaleness
+            | ApiError::RepeatedHeader(_)
             | ApiError::MinLsnAhead { .. } => StatusCode::BAD_REQUEST,
             ApiError::PostNotFound | ApiError::RouteNotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -78,6 +83,15 @@ impl ApiError {
             | ApiError::RequestTimeout
             | ApiError::Busy => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::WaitTimeout => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+}
+
+impl From<crate::store::PastFailure> for ApiError {
+    fn from(failure: crate::store::PastFailure) -> Self {
+        match failure {
+            crate::store::PastFailure::Full => ApiError::Busy,
+            crate::store::PastFailure::Failed => ApiError::Unavailable,
         }
     }
 }

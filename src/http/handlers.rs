@@ -136,16 +136,16 @@ pub fn post_read<B>(request: &Request<B>) -> Option<PostId> {
         ("If-None-Match" = Option<String>, Header,
          description = "ETags of copies the client holds (or `*`): a match is answered 304"),
         ("PostCache-Min-LSN" = Option<String>, Header, example = "0/16B3748",
-         description = "Read your writes: a WAL position (`pg_current_wal_lsn()` after the client's commit); the answer reflects every commit at or before it. From the cache once this instance's change feed has passed it, after a wait of at most MIN_LSN_WAIT for it, else read past the cache (a replica that has replayed it, or the primary). A position past the database's WAL is a 400"),
+         description = "Read your writes: a WAL position (`pg_current_wal_lsn()` after the client's commit); the answer reflects every commit at or before it. From the cache once this instance's change feed has passed it, after a wait of at most MIN_LSN_WAIT for it, else read past the cache (a replica that has replayed it, or the primary). A position past the database's WAL is a 400 at once; given twice, a 400"),
         ("PostCache-Max-Staleness" = Option<String>, Header, example = "250ms",
-         description = "Bounded staleness: milliseconds or seconds (`250ms`, `2s`); unless this instance heard its change feed say, within it, that it was level with the server, the read goes to the primary"),
+         description = "Bounded staleness: milliseconds or seconds (`250ms`, `2s`); the answer reflects every commit visible that long before the request arrived. From the cache while this instance heard its change feed say, within it, that it was level with the server; else once the feed has passed the primary's position, asked once for every such read waiting; else read past the cache. Given twice, a 400"),
     ),
     responses(
         (status = 200, description = "The post", body = Post),
         (status = 304, description = "Not modified: the post's ETag is among If-None-Match's"),
-        (status = 400, description = "Invalid id (also `GET /posts/`, an empty id), or an invalid PostCache-Min-LSN or PostCache-Max-Staleness, or a PostCache-Min-LSN past the database's WAL position", body = ErrorBody),
+        (status = 400, description = "Invalid id (also `GET /posts/`, an empty id), or an invalid or repeated PostCache-Min-LSN or PostCache-Max-Staleness, or a PostCache-Min-LSN past the database's WAL position", body = ErrorBody),
         (status = 404, description = "No such post (cached as such for NEGATIVE_TTL, or known missing by the existence guard: X-Cache-Tier guard)", body = ErrorBody),
-        (status = 503, description = "The backend failed (PostgreSQL, with no fail-safe copy), or overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS, or no database connection free within DB_ACQUIRE_TIMEOUT: then with Retry-After), or past REQUEST_TIMEOUT", body = ErrorBody,
+        (status = 503, description = "The backend failed (PostgreSQL, with no fail-safe copy), or overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS, or no database connection free within DB_ACQUIRE_TIMEOUT, or none of PAST_READ_CONNECTIONS for a read that needs PostgreSQL's word: then with Retry-After), or past REQUEST_TIMEOUT", body = ErrorBody,
          headers(("Retry-After" = Option<String>, description = "Seconds to wait, when no database connection was free in time"))),
         (status = 504, description = "Waited WAIT_TIMEOUT for another request's load", body = ErrorBody),
     )
@@ -188,7 +188,14 @@ pub async fn read_post_wanted(
     wanted: Wanted,
 ) -> Response {
     let started = Instant::now();
-    let past = match route(state, wanted).await {
+    let routed = match route(state, wanted).await {
+        Ok(routed) => routed,
+        Err(error) => {
+            metrics::request("error", "none", started.elapsed());
+            return error.into_response();
+        }
+    };
+    let past = match routed {
         Route::Cache { at, waited } => {
             let read = state.read_path.read(id.get()).await;
             // A stale copy (the fail-safe copy of a failed load may be the
@@ -249,9 +256,10 @@ fn answered(
 }
 
 /// Where a read that asked for a position or a staleness bound is answered
-/// from (counted once answered: see [`from_cache`] and [`read_past`]).
-pub(super) async fn route(state: &AppState, wanted: Wanted) -> Route {
-    position::route(state.feed.beats(), wanted, state.min_lsn_wait).await
+/// from (counted once answered: see [`from_cache`] and [`read_past`]), or
+/// why it is not.
+pub(super) async fn route(state: &AppState, wanted: Wanted) -> Result<Route, ApiError> {
+    position::route(state.feed.beats(), &state.past, wanted, state.min_lsn_wait).await
 }
 
 /// Counts a read that asked for a position as answered from the cache.
@@ -286,22 +294,10 @@ pub(super) async fn read_past(
         .max()
         .unwrap_or(0);
     let at_least = Some(min.max(floor)).filter(|&at| at > 0);
-    let read = state
-        .store
-        .read_at_least(ids, at_least)
-        .await
-        .map_err(|error| {
-            if matches!(error, sqlx::Error::PoolTimedOut) {
-                ApiError::Busy
-            } else {
-                tracing::warn!(%error, "a read past the cache failed");
-                ApiError::Unavailable
-            }
-        })?;
+    let read = state.past.read_at_least(ids, at_least).await?;
     if read.position < min {
         return Err(ApiError::MinLsnAhead {
             asked: position::format_lsn(min),
-            server: position::format_lsn(read.position),
         });
     }
     metrics::position_read(if read.replica { "replica" } else { "primary" });
@@ -497,11 +493,79 @@ pub async fn healthz() -> Json<Health> {
     Json(Health { status: "ok" })
 }
 
+/// `GET /livez`: the process is responsive (Kubernetes' liveness probe).
+/// Also served on ADMIN_ADDR, where no cap sheds it: a restart is for a
+/// process that stopped answering, not for one at its limits.
+#[utoipa::path(
+    get,
+    path = "/livez",
+    tag = "operations",
+    responses(
+        (status = 200, description = "The process is responsive", body = Health),
+        (status = 503, description = "Overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS) or past REQUEST_TIMEOUT, on the public address only", body = ErrorBody),
+    )
+)]
+pub async fn livez() -> Json<Health> {
+    Json(Health { status: "ok" })
+}
+
+/// Whether the instance takes reads, from what it knows of itself and its
+/// dependencies (the `status` of `GET /readyz`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadyState {
+    /// PostgreSQL and Redis answer.
+    Ready,
+    /// One of them does not, and reads are still answered: Redis down
+    /// (reads fail open to PostgreSQL) or PostgreSQL down (copies in Redis
+    /// and the memory tier are served; misses get 503).
+    Degraded,
+    /// After the shutdown signal, for SHUTDOWN_DELAY: reads are still
+    /// served, new ones should go elsewhere.
+    Draining,
+    /// Neither answers: nothing but the memory tier's copies could be
+    /// served.
+    Unavailable,
+}
+
+impl ReadyState {
+    /// The rule: an instance that can answer reads is ready, degraded or
+    /// not. Taking it out of rotation for a dependency it fails open on
+    /// would take the whole fleet out at once, since every instance shares
+    /// that dependency.
+    pub fn of(draining: bool, postgres_up: bool, redis_up: bool) -> Self {
+        match (draining, postgres_up, redis_up) {
+            (true, _, _) => Self::Draining,
+            (false, true, true) => Self::Ready,
+            (false, false, false) => Self::Unavailable,
+            (false, _, _) => Self::Degraded,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ready => "ready",
+            Self::Degraded => "degraded",
+            Self::Draining => "draining",
+            Self::Unavailable => "unavailable",
+        }
+    }
+
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::Ready | Self::Degraded => StatusCode::OK,
+            Self::Draining | Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+}
+
 /// The body of `GET /readyz`.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Readiness {
-    /// `ready` when PostgreSQL and Redis both answer, else `unavailable`.
-    #[schema(value_type = String, pattern = "^(ready|unavailable)$")]
+    /// `ready` (200): PostgreSQL and Redis answer; `degraded` (200): one of
+    /// them does not and reads are still answered; `draining` (503): after
+    /// the shutdown signal, for SHUTDOWN_DELAY, reads still served;
+    /// `unavailable` (503): neither answers.
+    #[schema(value_type = String, pattern = "^(ready|degraded|draining|unavailable)$")]
     status: &'static str,
     /// `up` or `down`.
     #[schema(value_type = String, pattern = "^(up|down)$")]
@@ -538,36 +602,31 @@ pub struct Readiness {
     replicas: Vec<crate::store::ReplicaReport>,
 }
 
-/// `GET /readyz`: PostgreSQL and Redis both answer (`"redis": "circuit_open"`
-/// while the breaker still bypasses a Redis that answers again). The change
-/// feed is reported (`up`, `down`, `off`) but does not decide: an instance
-/// whose feed is down still serves, with freshness from the TTLs.
+/// `GET /readyz`: 200 while the instance can answer reads, degraded or
+/// not (see [`ReadyState`]); 503 while draining after the shutdown signal,
+/// or when neither PostgreSQL nor Redis answers. The body names each
+/// dependency's state (`"redis": "circuit_open"` while the breaker still
+/// bypasses a Redis that answers again). The change feed is reported (`up`,
+/// `down`, `off`) but does not decide: an instance whose feed is down still
+/// serves, with freshness from the TTLs.
 #[utoipa::path(
     get,
     path = "/readyz",
     tag = "operations",
     responses(
-        (status = 200, description = "PostgreSQL and Redis answer", body = Readiness),
-        (status = 503, description = "PostgreSQL or Redis does not answer (or overloaded, or past REQUEST_TIMEOUT: then the body is an error)", body = Readiness),
+        (status = 200, description = "Reads are answered: `ready`, or `degraded` (Redis or PostgreSQL down)", body = Readiness),
+        (status = 503, description = "`draining` after the shutdown signal, or `unavailable`: neither PostgreSQL nor Redis answers (or overloaded, or past REQUEST_TIMEOUT: then the body is an error)", body = Readiness),
     )
 )]
 pub async fn readyz(State(state): State<AppState>) -> Response {
     let seen = state.probe.seen().await;
     let (postgres_up, redis_up) = (seen.postgres, seen.redis);
     let word = |up: bool| if up { "up" } else { "down" };
-    let status = if postgres_up && redis_up {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
+    let readiness = ReadyState::of(state.is_draining(), postgres_up, redis_up);
     let report = state.feed.report();
     let position = state.feed.beats().position();
-    let readiness = Readiness {
-        status: if status == StatusCode::OK {
-            "ready"
-        } else {
-            "unavailable"
-        },
+    let body = Readiness {
+        status: readiness.as_str(),
         postgres: word(postgres_up),
         // Up but bypassed: the service fails open until a probe succeeds.
         redis: if redis_up && !state.read_path.redis().breaker_closed() {
@@ -591,7 +650,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
             .map(|replicas| replicas.report())
             .unwrap_or_default(),
     };
-    (status, Json(readiness)).into_response()
+    (readiness.status(), Json(body)).into_response()
 }
 
 /// `GET /metrics`: Prometheus text format.
@@ -641,5 +700,26 @@ mod tests {
         let expected = format!("\"{:016x}\"", entry.etag());
         assert_eq!(etag(&entry), expected);
         assert_eq!(head::etag_value(entry.etag()), expected.as_str());
+    }
+
+    #[test]
+    fn readiness_is_lost_only_to_draining_or_to_both_dependencies_down() {
+        use ReadyState::*;
+        let cases = [
+            ((false, true, true), Ready, 200),
+            ((false, true, false), Degraded, 200),
+            ((false, false, true), Degraded, 200),
+            ((false, false, false), Unavailable, 503),
+            ((true, true, true), Draining, 503),
+            ((true, false, false), Draining, 503),
+        ];
+        for ((draining, postgres, redis), readiness, status) in cases {
+            let got = ReadyState::of(draining, postgres, redis);
+            assert_eq!(
+                (got, got.status().as_u16()),
+                (readiness, status),
+                "draining {draining}, postgres {postgres}, redis {redis}"
+            );
+        }
     }
 }

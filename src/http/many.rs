@@ -83,7 +83,7 @@ pub fn parse_ids(list: &str) -> Result<Vec<PostId>, ApiError> {
         ("PostCache-Min-LSN" = Option<String>, Header, example = "0/16B3748",
          description = "As for one post: every part reflects every commit at or before this WAL position"),
         ("PostCache-Max-Staleness" = Option<String>, Header, example = "250ms",
-         description = "As for one post: past the cache unless this instance heard its change feed keep up within this"),
+         description = "As for one post: every part reflects every commit visible this long before the request arrived"),
     ),
     responses(
         (status = 200, description = "The posts found, in the order asked, and the ids not found or unavailable. `Cache-Control` is the smallest freshness of the parts (`no-store` when one is unavailable); the ETag covers every part", body = PostBatch,
@@ -93,7 +93,7 @@ pub fn parse_ids(list: &str) -> Result<Vec<PostId>, ApiError> {
                  ("X-Cache-Bypass" = Option<String>, description = "`position`: read past the cache for PostCache-Min-LSN or PostCache-Max-Staleness"),
                  ("Cache-Status" = Option<String>, description = "`postcache; fwd=bypass; detail=position` when read past the cache"))),
         (status = 304, description = "Not modified: the batch's ETag is among If-None-Match's"),
-        (status = 400, description = "No ids, an empty list, an invalid id, or more than 100 ids; or an invalid PostCache-Min-LSN or PostCache-Max-Staleness, or a PostCache-Min-LSN past the database's WAL position", body = ErrorBody),
+        (status = 400, description = "No ids, an empty list, an invalid id, or more than 100 ids; or an invalid or repeated PostCache-Min-LSN or PostCache-Max-Staleness, or a PostCache-Min-LSN past the database's WAL position", body = ErrorBody),
         (status = 503, description = "Overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS) or past REQUEST_TIMEOUT; or read past the cache (PostCache-Min-LSN, PostCache-Max-Staleness) and PostgreSQL failed, or no connection was free in time (then with Retry-After)", body = ErrorBody),
     )
 )]
@@ -129,7 +129,7 @@ pub async fn get_posts(
             (answers, at, false)
         }
         Some(wanted) => {
-            let cached = match handlers::route(&state, *wanted).await {
+            let cached = match handlers::route(&state, *wanted).await? {
                 Route::Cache { at, waited } => {
                     let answers = state.read_path.read_many(keys.clone()).await;
                     // A stale copy is no answer to a position.

@@ -47,6 +47,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(utoipa_axum::routes!(handlers::get_post))
         .routes(utoipa_axum::routes!(many::get_posts))
         .routes(utoipa_axum::routes!(handlers::healthz))
+        .routes(utoipa_axum::routes!(handlers::livez))
         .routes(utoipa_axum::routes!(handlers::readyz))
         .routes(utoipa_axum::routes!(handlers::metrics))
         .routes(utoipa_axum::routes!(openapi_json))
@@ -327,6 +328,7 @@ mod tests {
             paths,
             [
                 "/healthz",
+                "/livez",
                 "/metrics",
                 "/openapi.json",
                 "/posts",

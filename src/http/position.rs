@@ -27,7 +27,7 @@ use std::{cell::RefCell, time::Duration};
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
 use super::error::ApiError;
-use crate::{changes::fanout::Beats, telemetry::metrics};
+use crate::{changes::fanout::Beats, store::PastReads, telemetry::metrics};
 
 pub const MIN_LSN: HeaderName = HeaderName::from_static("postcache-min-lsn");
 pub const MAX_STALENESS: HeaderName = HeaderName::from_static("postcache-max-staleness");
@@ -48,22 +48,21 @@ impl Wanted {
     /// Boxed: a read's future keeps it for the whole read, and most reads
     /// ask for nothing.
     pub fn from_headers(headers: &HeaderMap) -> Result<Option<Box<Self>>, ApiError> {
-        let max_staleness = headers.get(MAX_STALENESS);
-        if !min_lsn_given(headers) && max_staleness.is_none() {
+        let max_staleness = once(headers, &MAX_STALENESS, "PostCache-Max-Staleness")?;
+        let min_lsn = once(headers, &MIN_LSN, "PostCache-Min-LSN")?;
+        if min_lsn.is_none() && max_staleness.is_none() {
             return Ok(None);
         }
-        // Sent more than once, the latest position is asked for.
-        let mut min_lsn = None;
-        if min_lsn_given(headers) {
-            for value in headers.get_all(MIN_LSN) {
-                let lsn = value
+        let min_lsn = match min_lsn {
+            None => None,
+            Some(value) => Some(
+                value
                     .to_str()
                     .ok()
                     .and_then(parse_lsn)
-                    .ok_or(ApiError::InvalidMinLsn)?;
-                min_lsn = min_lsn.max(Some(lsn));
-            }
-        }
+                    .ok_or(ApiError::InvalidMinLsn)?,
+            ),
+        };
         // 0/0: every commit up to nothing, which any answer reflects.
         let min_lsn = min_lsn.filter(|&lsn| lsn > 0);
         let max_staleness = match max_staleness {
@@ -86,8 +85,20 @@ impl Wanted {
     }
 }
 
-fn min_lsn_given(headers: &HeaderMap) -> bool {
-    headers.contains_key(MIN_LSN)
+/// The value of `name`, if given: given twice (two lines, or one line
+/// that a proxy folded with a comma) it is a 400, as no single ask can be
+/// told from it.
+fn once<'h>(
+    headers: &'h HeaderMap,
+    name: &HeaderName,
+    said: &'static str,
+) -> Result<Option<&'h HeaderValue>, ApiError> {
+    let mut values = headers.get_all(name).iter();
+    match (values.next(), values.next()) {
+        (None, _) => Ok(None),
+        (Some(value), None) => Ok(Some(value)),
+        (Some(_), Some(_)) => Err(ApiError::RepeatedHeader(said)),
+    }
 }
 
 /// What `PostCache-Min-LSN` holds, as the OpenAPI document states it.
@@ -160,36 +171,81 @@ pub enum Route {
     Past,
 }
 
+/// The least a read whose staleness bound the beats do not meet waits for
+/// the feed to pass the primary's position (MIN_LSN_WAIT if longer): a
+/// decoder that keeps up proves a position past it within a beat or two.
+pub const PRIMARY_WAIT: Duration = Duration::from_millis(300);
+
 /// Decides where a read that asked for `wanted` is answered from, waiting
-/// up to `wait` for this instance's feed to pass its position.
-pub async fn route(beats: &Beats, wanted: Wanted, wait: Duration) -> Route {
-    // Judged again after a wait: the bound is on the answer.
-    let fresh_enough = || match wanted.max_staleness {
+/// up to `wait` for this instance's feed to pass the position it needs; a
+/// 400 for a position in the future, or a 503 when PostgreSQL cannot be
+/// asked.
+///
+/// - The feed vouches for it now (its beats meet the staleness bound, its
+///   position is past the one asked): the cache.
+/// - No position is known (another mode, the feed down): past the cache.
+/// - A staleness bound the beats do not meet: the primary's position is
+///   asked, once for every such read waiting on this instance (see
+///   `store/past.rs`), by a statement that began after the read arrived:
+///   every commit visible then is at or before it, so once the feed has
+///   passed it the cache answers (a bound of 0 ms is met). A flood of such
+///   reads costs a statement per round, no row.
+/// - A position past the feed's: past the primary's last known position,
+///   the primary is asked, and a position past its own is a 400 at once;
+///   then the feed is waited for.
+///
+/// Whatever the feed does not pass within the wait is read past the cache.
+pub async fn route(
+    beats: &Beats,
+    past: &PastReads,
+    wanted: Wanted,
+    wait: Duration,
+) -> Result<Route, ApiError> {
+    let fresh_enough = match wanted.max_staleness {
         None => true,
         Some(bound) => beats.staleness().is_some_and(|age| age <= bound),
     };
-    if !fresh_enough() {
-        return Route::Past;
-    }
     let Some(at) = beats.position() else {
-        return Route::Past;
+        return Ok(Route::Past);
     };
-    let Some(min) = wanted.min_lsn else {
-        return Route::Cache { at, waited: false };
-    };
-    if at >= min {
-        return Route::Cache { at, waited: false };
+    past.saw(at);
+    let min = wanted.min_lsn.unwrap_or(0);
+    if fresh_enough && at >= min {
+        return Ok(Route::Cache { at, waited: false });
     }
+    let future = || ApiError::MinLsnAhead {
+        asked: format_lsn(min),
+    };
+    let (target, wait) = if fresh_enough {
+        // A position at or below one the primary is known to have reached
+        // is not in the future: no statement.
+        if min > past.known_primary() && min > past.primary_position().await? {
+            return Err(future());
+        }
+        (min, wait)
+    } else {
+        let primary = past.primary_position().await?;
+        if min > primary {
+            return Err(future());
+        }
+        // A wait of none stays none; any other is at least PRIMARY_WAIT.
+        let wait = if wait.is_zero() {
+            wait
+        } else {
+            wait.max(PRIMARY_WAIT)
+        };
+        (primary, wait)
+    };
     if wait.is_zero() {
-        return Route::Past;
+        return Ok(Route::Past);
     }
     let started = std::time::Instant::now();
-    let reached = beats.reached(min, wait).await;
+    let reached = beats.reached(target, wait).await;
     metrics::position_wait(started.elapsed());
-    match beats.position() {
-        Some(at) if reached && at >= min && fresh_enough() => Route::Cache { at, waited: true },
+    Ok(match beats.position() {
+        Some(at) if reached && at >= target => Route::Cache { at, waited: true },
         _ => Route::Past,
-    }
+    })
 }
 
 #[cfg(test)]
@@ -210,12 +266,23 @@ mod tests {
     fn the_asks_read_from_the_headers() {
         assert_eq!(wanted(&[]), Ok(None));
         assert_eq!(
-            wanted(&[(&MIN_LSN, "0/10"), (&MIN_LSN, "1/0"), (&MIN_LSN, "0/20")]),
+            wanted(&[(&MIN_LSN, "1/0")]),
             Ok(Some(Wanted {
                 min_lsn: Some(1 << 32),
                 max_staleness: None
             }))
         );
+        // Given twice, an ask is refused, whatever its values.
+        for pairs in [
+            &[(&MIN_LSN, "0/10"), (&MIN_LSN, "1/0")][..],
+            &[(&MIN_LSN, "0/10"), (&MIN_LSN, "0/10")],
+            &[(&MAX_STALENESS, "1s"), (&MAX_STALENESS, "0ms")],
+        ] {
+            let refused = wanted(pairs).unwrap_err();
+            assert!(refused.contains("more than once"), "{refused}");
+        }
+        // One line folded by a proxy is no position.
+        assert!(wanted(&[(&MIN_LSN, "0/10, 1/0")]).is_err());
         // 0/0 asks for nothing past what any answer reflects.
         assert_eq!(wanted(&[(&MIN_LSN, "0/0")]), Ok(None));
         assert_eq!(
@@ -225,7 +292,10 @@ mod tests {
                 max_staleness: Some(Duration::from_secs(2))
             }))
         );
-        assert!(wanted(&[(&MIN_LSN, "0/10"), (&MIN_LSN, "x")]).is_err());
+        assert!(wanted(&[(&MIN_LSN, "x")]).is_err());
+        // Oversized: no more digits than PostgreSQL prints.
+        assert!(wanted(&[(&MIN_LSN, &format!("0/{}", "1".repeat(4096)))]).is_err());
+        assert!(wanted(&[(&MAX_STALENESS, &"9".repeat(4096))]).is_err());
         assert!(wanted(&[(&MAX_STALENESS, "soon")]).is_err());
     }
 

@@ -1,11 +1,18 @@
 //! HTTP: the state every handler reaches, cloned per request.
 
-use std::sync::Arc;
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc,
+};
 
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use super::{caching::CachingHeaders, probe::Probe};
-use crate::{changes::FeedStatus, read_path::ReadPath, store::PostStore};
+use crate::{
+    changes::FeedStatus,
+    read_path::ReadPath,
+    store::{PastReads, PostStore},
+};
 
 /// What every handler can reach; cloned per request (one reference count).
 #[derive(Clone)]
@@ -39,9 +46,25 @@ pub struct Shared {
     pub caching: CachingHeaders,
     /// DATABASE_REPLICA_URLS (for `/readyz`).
     pub replicas: Option<Arc<crate::store::Replicas>>,
-    /// Reads past the cache, for those that ask for a position it cannot
-    /// vouch for (see `position.rs`).
-    pub store: PostStore,
+    /// What reads that ask for a position or a staleness the cache cannot
+    /// vouch for run on PostgreSQL, on a pool of their own (see
+    /// `position.rs` and `store/past.rs`).
+    pub past: PastReads,
     /// MIN_LSN_WAIT.
     pub min_lsn_wait: std::time::Duration,
+    /// Set at the shutdown signal: `/readyz` then answers 503 while reads
+    /// are still served for SHUTDOWN_DELAY (see [`Shared::drain`]).
+    pub draining: AtomicBool,
+}
+
+impl Shared {
+    /// From now on `/readyz` answers 503 `draining`; reads are served as
+    /// before until the listener stops.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
 }

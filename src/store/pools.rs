@@ -59,6 +59,21 @@ pub fn connect_feed(settings: &DatabaseSettings, connections: u32) -> anyhow::Re
         .connect_lazy_with(options))
 }
 
+/// The pool of reads past the cache and of the rounds that ask the
+/// primary's position for them (see `past.rs`): `connections`, named
+/// `postcache-past`, never the loads'. A read waits at most
+/// PAST_ACQUIRE_TIMEOUT (or DB_ACQUIRE_TIMEOUT, if shorter) for one.
+pub fn connect_past(settings: &DatabaseSettings, connections: u32) -> anyhow::Result<PgPool> {
+    let options = connect_options(settings)?.application_name("postcache-past");
+    Ok(loads_pool(
+        connections,
+        settings
+            .db_acquire_timeout
+            .min(super::past::PAST_ACQUIRE_TIMEOUT),
+    )
+    .connect_lazy_with(options))
+}
+
 /// The pool of the readiness probe (not the loads'): one connection, named
 /// `postcache-readiness`, given up on after `timeout`.
 pub fn connect_probe(settings: &DatabaseSettings, timeout: Duration) -> anyhow::Result<PgPool> {

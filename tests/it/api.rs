@@ -273,32 +273,62 @@ async fn healthz_is_ok_and_readyz_reports_both_backends() {
     assert_eq!(ready.json()["redis"], "up");
 }
 
+/// Readiness follows what the instance can serve: with one dependency down
+/// it still answers reads (Redis down: from PostgreSQL; PostgreSQL down:
+/// the copies it has), so it stays in rotation, `degraded`. A balancer that
+/// heeded a 503 there would take every instance out at once, for a
+/// dependency they all share. With both down, 503.
 #[tokio::test]
-async fn readyz_says_which_backend_is_down() {
+async fn readyz_stays_200_degraded_while_reads_are_answered_and_names_what_is_down() {
     let env = TestEnv::new(1).await;
     let no_redis = env.spawn_without_redis().await;
     let closed = free_port();
-    let no_postgres = env
-        .spawn(&[
-            "--database-url",
-            &format!("postgres://postgres@127.0.0.1:{closed}/x"),
-            "--db-acquire-timeout",
-            "300ms",
-        ])
+    let postgres_url = format!("postgres://postgres@127.0.0.1:{closed}/x");
+    let no_postgres_flags = [
+        "--database-url",
+        &postgres_url,
+        "--db-acquire-timeout",
+        "300ms",
+    ];
+    let no_postgres = env.spawn(&no_postgres_flags).await;
+    let closed_redis = format!("redis://127.0.0.1:{}", free_port());
+    let neither = env
+        .spawn(
+            &[
+                &no_postgres_flags[..],
+                &["--redis-url", &closed_redis, "--redis-timeout", "100ms"],
+            ]
+            .concat(),
+        )
         .await;
 
     let r = no_redis.get("/readyz").await;
+    let served = no_redis.get("/posts/1").await;
     let p = no_postgres.get("/readyz").await;
+    let n = neither.get("/readyz").await;
 
-    assert_eq!(r.status, 503);
+    let states = |reply: &postcache::testkit::Reply| {
+        let body = reply.json();
+        (
+            reply.status,
+            body["status"].as_str().map(str::to_owned),
+            body["postgres"].as_str().map(str::to_owned),
+            body["redis"].as_str().map(str::to_owned),
+        )
+    };
+    let some = |s: &str| Some(s.to_owned());
     assert_eq!(
-        (r.json()["postgres"].as_str(), r.json()["redis"].as_str()),
-        (Some("up"), Some("down"))
+        states(&r),
+        (200, some("degraded"), some("up"), some("down"))
     );
-    assert_eq!(p.status, 503);
+    assert_eq!(served.status, 200, "reads fail open to PostgreSQL");
     assert_eq!(
-        (p.json()["postgres"].as_str(), p.json()["redis"].as_str()),
-        (Some("down"), Some("up"))
+        states(&p),
+        (200, some("degraded"), some("down"), some("up"))
+    );
+    assert_eq!(
+        states(&n),
+        (503, some("unavailable"), some("down"), some("down"))
     );
 }
 

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use postcache::testkit::{
-    metric, raw_request, wait_until, RawConn, TableLock, TestEnv, A_WHILE, PATIENT,
+    free_port, metric, raw_request, wait_until, Http, RawConn, TableLock, TestEnv, A_WHILE, PATIENT,
 };
 
 /// Slack for a deadline on this shared machine: a connection closes at its
@@ -197,6 +197,49 @@ async fn past_max_connections_new_ones_get_503_at_once_and_open_ones_keep_workin
         conn.get("/posts/3").await.status == 200
     })
     .await;
+}
+
+/// Liveness on the admin address is never shed: with the public port at
+/// MAX_CONNECTIONS (new connections refused with 503), `/livez` and
+/// `/readyz` there still answer 200. A liveness probe on the public port
+/// would fail at peak and restart an instance that was fine.
+#[tokio::test]
+async fn livez_on_the_admin_address_answers_while_the_public_port_is_full() {
+    let env = TestEnv::new(3).await;
+    let admin_port = free_port();
+    let app = env
+        .spawn(&[
+            "--max-connections",
+            "2",
+            "--admin-addr",
+            &format!("127.0.0.1:{admin_port}"),
+        ])
+        .await;
+    let addr = app.http.addr();
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut conn = RawConn::open(addr).await;
+        assert_eq!(conn.get("/livez").await.status, 200);
+        open.push(conn);
+    }
+    let mut refused = RawConn::open(addr).await;
+    let refused = refused
+        .reply(A_WHILE)
+        .await
+        .expect("an answer, not a reset");
+    assert_eq!(refused.status, 503, "{}", refused.body);
+
+    let admin = Http::new(format!("http://127.0.0.1:{admin_port}"));
+    for _ in 0..20 {
+        let live = admin.get("/livez").await;
+        assert_eq!(
+            (live.status, live.json()["status"].as_str()),
+            (200, Some("ok"))
+        );
+        assert_eq!(admin.get("/readyz").await.status, 200);
+    }
+    // The public port's own connections still answer it.
+    assert_eq!(open[0].get("/livez").await.status, 200);
 }
 
 #[tokio::test]

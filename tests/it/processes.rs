@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use postcache::testkit::{
-    answered, available, blocked_loads, fire, free_port, wait_until, RedisServer, Reply,
+    answered, available, blocked_loads, fire, free_port, wait_until, Http, RedisServer, Reply,
     ServiceProcess, TableLock, TestApp, TestEnv, A_WHILE,
 };
 
@@ -438,5 +438,71 @@ async fn sigterm_ends_the_process_even_while_redis_is_down() {
         service.exits_within(Duration::from_secs(8)).await,
         "the process did not exit: {}",
         service.logs()
+    );
+}
+
+/// After SIGTERM, readiness turns 503 `draining` at once (on both
+/// addresses) while reads are still answered, new connections included,
+/// for SHUTDOWN_DELAY: time for a load balancer to stop sending. Then the
+/// listener stops and the process exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_sigterm_readyz_is_503_while_reads_are_served_for_shutdown_delay() {
+    let env = TestEnv::new(3).await;
+    let admin_port = free_port();
+    let mut service = env
+        .start_process(&[
+            ("SHUTDOWN_DELAY", "3s".into()),
+            ("ADMIN_ADDR", format!("127.0.0.1:{admin_port}")),
+        ])
+        .await;
+    let admin = Http::new(format!("http://127.0.0.1:{admin_port}"));
+    assert_eq!(service.http.get("/readyz").await.status, 200);
+    assert_eq!(admin.get("/readyz").await.status, 200);
+
+    service.signal("TERM");
+    let signalled = Instant::now();
+    wait_until(
+        "readiness to turn 503",
+        Duration::from_secs(1),
+        async || service.http.get("/readyz").await.status == 503,
+    )
+    .await;
+    let public = service.http.get("/readyz").await;
+    let on_admin = admin.get("/readyz").await;
+    let mut reads = Vec::new();
+    while signalled.elapsed() < Duration::from_millis(2_000) {
+        // A new client each time: a new connection, as a balancer's next
+        // request would be.
+        let fresh = Http::new(format!("http://{}", service.http.addr()));
+        reads.push(fresh.get("/posts/2").await.status);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let live = admin.get("/livez").await.status;
+    assert!(
+        service.exits_within(Duration::from_secs(10)).await,
+        "the process did not exit"
+    );
+    let exited = signalled.elapsed();
+
+    assert_eq!(
+        (public.status, public.json()["status"].as_str()),
+        (503, Some("draining")),
+        "{}",
+        public.text()
+    );
+    assert_eq!(on_admin.json()["status"], "draining");
+    assert_eq!(
+        on_admin.json()["postgres"],
+        "up",
+        "the dependencies still named"
+    );
+    assert!(
+        reads.len() >= 10 && reads.iter().all(|s| *s == 200),
+        "{reads:?}"
+    );
+    assert_eq!(live, 200, "alive while draining");
+    assert!(
+        exited >= Duration::from_secs(3),
+        "exited {exited:?} after the signal, before SHUTDOWN_DELAY"
     );
 }

@@ -5,8 +5,8 @@ one module here plus its name in SCENARIOS (and a paragraph in load/compare's
 docstring)."""
 
 from . import (capacity, chaos, cold_storm, hit_ab, hit_instructions, hits, missing_ids, peers, readyz_flood,
-               strategies)
+               staleness_flood, strategies)
 
 # In the order of the list of subcommands in load/compare --help.
-SCENARIOS = [strategies, capacity, hit_ab, hits, hit_instructions, readyz_flood, cold_storm, missing_ids, peers,
-             chaos]
+SCENARIOS = [strategies, capacity, hit_ab, hits, hit_instructions, readyz_flood, staleness_flood, cold_storm,
+             missing_ids, peers, chaos]

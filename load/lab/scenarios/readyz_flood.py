@@ -10,7 +10,7 @@ from ..db import CAPACITY_DB, prepare_database
 from ..flags import add_connections, add_rounds, add_seconds
 from ..procs import spawn, stop_all
 from ..report import spread, write_results
-from ..runners import build, find_wrk, wrk_cmd, wrk_rps, wrk_run
+from ..runners import find_wrk, this_and_old, wrk_cmd, wrk_rps, wrk_run
 from ..servers import start_instances
 
 
@@ -35,10 +35,7 @@ def run(args):
     each; the floods alternate which goes first. With --old, the same for
     another binary."""
     wrk = find_wrk()
-    new = build(args)
-    binaries = [("this build", new)]
-    if args.old:
-        binaries.append(("old", os.path.abspath(args.old)))
+    new, binaries = this_and_old(args)
     prepare_database(new, CAPACITY_DB)
     secs = args.seconds
     lines = [f"# /readyz flood against /healthz flood, {kit.DAY}", "",

@@ -228,6 +228,11 @@ pub fn position_read(answered: &'static str) {
     counter!(POSITION_READS, "answered" => answered).increment(1);
 }
 
+/// A statement read the primary's position for the reads waiting.
+pub fn primary_position_read() {
+    counter!(PRIMARY_POSITION_READS).increment(1);
+}
+
 /// How long a read waited for the change feed to pass its position.
 pub fn position_wait(waited: Duration) {
     histogram!(POSITION_WAIT).record(waited.as_secs_f64());

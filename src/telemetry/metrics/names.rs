@@ -109,7 +109,8 @@ pub const CONNECTIONS_REFUSED: &str = "postcache_connections_refused_total";
 pub const CONNECTIONS_TIMED_OUT: &str = "postcache_connections_timed_out_total";
 /// Requests answered 503 at once for want of capacity, by reason: `db_pool`
 /// (no database connection free within DB_ACQUIRE_TIMEOUT; nothing stored
-/// for the key), `in_flight` (MAX_IN_FLIGHT).
+/// for the key), `in_flight` (MAX_IN_FLIGHT), `past_pool` (a read past the
+/// cache found every PAST_READ_CONNECTIONS taken).
 pub const SHED: &str = "postcache_shed_total";
 
 /// The existence guard: ids in its set, and its bytes (0 while it stands
@@ -142,6 +143,9 @@ pub const POSITION_READS: &str = "postcache_min_lsn_reads_total";
 /// How long reads asking for a position waited for the change feed to
 /// pass it (those that waited, whether it passed in time or not).
 pub const POSITION_WAIT: &str = "postcache_min_lsn_wait_seconds";
+/// Statements that read the primary's WAL position for reads the cache
+/// could not vouch for: one per round, shared by every read waiting.
+pub const PRIMARY_POSITION_READS: &str = "postcache_primary_position_reads_total";
 
 /// Every metric name, for checks that dashboards name only what exists.
 pub const ALL: &[&str] = &[
@@ -194,6 +198,7 @@ pub const ALL: &[&str] = &[
     REPLICA_LAG_BYTES,
     POSITION_READS,
     POSITION_WAIT,
+    PRIMARY_POSITION_READS,
 ];
 
 pub(super) fn describe() {
@@ -301,6 +306,10 @@ pub(super) fn describe() {
     describe_counter!(
         REPLICA_ROUTED,
         "Loads by where they were read: a replica, or the primary and why."
+    );
+    describe_counter!(
+        PRIMARY_POSITION_READS,
+        "Statements that read the primary's WAL position for reads the cache could not vouch for (one per round, shared by every read waiting)."
     );
     describe_counter!(
         POSITION_READS,
