@@ -4,12 +4,13 @@ Writes load/results/<date>/staleness-flood.md."""
 
 import os
 import subprocess
+import sys
 import time
 import urllib.request
 
 from .. import kit
 from ..cpu import cpu_seconds
-from ..db import CAPACITY_DB, post_reads, prepare_database, psql
+from ..db import CAPACITY_DB, prepare_database, psql
 from ..flags import add_connections, add_rounds, add_seconds
 from ..procs import spawn, stop_all
 from ..report import spread, write_results
@@ -46,22 +47,30 @@ def non_2xx(out):
     return bad
 
 
-def statements(db):
+def counts(db):
     """Statements ended in db so far (each of the service's is a transaction
-    of its own), once every backend of the service has exited."""
+    of its own) and rows of posts fetched by index, once every backend of
+    the service has exited (they flush their statistics then)."""
     deadline = time.time() + 20
     while int(psql(db, "select count(*) from pg_stat_activity where datname = current_database() "
                        "and application_name like 'postcache%' and pid <> pg_backend_pid()")) > 0:
         if time.time() > deadline:
-            break
+            sys.exit("error: service backends did not exit")
         time.sleep(0.05)
-    return int(psql(db, "select xact_commit + xact_rollback from pg_stat_database "
-                        "where datname = current_database()"))
+    ended = int(psql(db, "select xact_commit + xact_rollback from pg_stat_database "
+                         "where datname = current_database()"))
+    rows = int(psql(db, "select coalesce(sum(coalesce(idx_tup_fetch, 0)), 0) from pg_stat_user_tables "
+                        "where relname in ('posts', 'posts_data')"))
+    return ended, rows
 
 
 def one_run(wrk, binary, r, secs, connections):
     """One instance on a fresh prefix: warm post 1, then the flood beside the
     cold readers. Returns the run's figures."""
+    # PostgreSQL's counts are exact once the backends that made them exited:
+    # read before the instance starts (its start and warm-up count too, a
+    # few statements and scans against tens of thousands of requests).
+    statements_before, rows_before = counts(CAPACITY_DB)
     procs, (url,) = start_instances(binary, CAPACITY_DB, 1, f"staleness:{time.time_ns()}:",
                                 stderr=subprocess.DEVNULL, CACHE_TTL="600s", CHANGE_FEED="replication")
     deadline = time.time() + 30
@@ -76,7 +85,6 @@ def one_run(wrk, binary, r, secs, connections):
     for _ in range(2):
         urllib.request.urlopen(url + "/posts/1", timeout=5).read()
     pid = str(procs[0].pid)
-    rows_before, statements_before = post_reads(CAPACITY_DB), statements(CAPACITY_DB)
     cpu_before = cpu_seconds()
     flood = spawn(wrk_cmd(wrk, url + "/posts/1", secs, connections, "--latency", "-H",
                           "PostCache-Max-Staleness: 0ms", threads=1),
@@ -89,17 +97,20 @@ def one_run(wrk, binary, r, secs, connections):
     cpu_after = cpu_seconds()
     metrics = metric_sums(url)
     stop_all()
-    rows = post_reads(CAPACITY_DB) - rows_before
-    ended = statements(CAPACITY_DB) - statements_before
+    ended, rows = counts(CAPACITY_DB)
+    ended, rows = ended - statements_before, rows - rows_before
     cold_out = cold.stdout + cold.stderr
     flood_total, cold_total = wrk_total(flood_out) or 0, wrk_total(cold_out) or 0
-    # Each cold read is one row read and one statement: the rest is the flood's.
+    # Each cold read fetches one row (a different post each): the rest is
+    # the flood's (and the warm-up's one). The flood's statements are its
+    # rounds and its reads past the cache; statements are also counted in
+    # all, cold reads' loads (batched) included.
     return {
         "flood_rps": wrk_rps(flood_out) or 0.0,
         "flood_total": flood_total,
         "flood_bad": non_2xx(flood_out),
         "flood_rows": max(rows - cold_total, 0),
-        "flood_statements": max(ended - cold_total, 0),
+        "statements": ended,
         "rounds": metrics.get("postcache_primary_position_reads_total", 0.0),
         "cold_rps": wrk_rps(cold_out) or 0.0,
         "cold_total": cold_total,
@@ -108,6 +119,12 @@ def one_run(wrk, binary, r, secs, connections):
         "instance_cpu": cpu_after.get(pid, 0.0) - cpu_before.get(pid, 0.0),
         "postgres_cpu": cpu_after["postgres"] - cpu_before["postgres"],
     }
+
+
+def flood_statements(f):
+    """The flood's statements: its rounds, and a statement per row it read
+    past the cache (at most)."""
+    return f["rounds"] + f["flood_rows"]
 
 
 def run(args):
@@ -123,12 +140,16 @@ def run(args):
              f"(CHANGE_FEED=replication, CACHE_TTL=600s), {kit.SEEDED:,} posts, each run a fresh KEY_PREFIX. "
              f"The flood: wrk -t1 -c{args.connections} on `/posts/1` with `PostCache-Max-Staleness: 0ms`; beside "
              f"it, cold readers: wrk -t1 -c16, `wrk-cold.lua` (every request a different post), for {secs} s. "
-             "Rows and statements are PostgreSQL's own counts (pg_stat_user_tables, pg_stat_database, read "
-             "once the instance's backends exited), less one each per cold read. CPU: the instance's and "
+             "Rows and statements are PostgreSQL's own counts (idx_tup_fetch of posts, pg_stat_database), read "
+             "before the instance started and once its backends exited: its start and warm-up count too. The "
+             "flood's rows: all rows less one per cold read. The flood's statements: its rounds (the primary's "
+             "position, `postcache_primary_position_reads_total`) and its rows; statements in all: every "
+             "statement of the run (cold loads included) per request of the run. CPU: the instance's and "
              "every postgres process's, per request (the flood's and the cold readers' together).", "",
-             "| binary | round | flood req/s | flood not 200 | rows/s | statements per request | rounds | "
+             "| binary | round | flood req/s | flood not 200 | flood rows/s | rounds | flood statements per flood request | "
+             "statements per request in all | "
              "cold reads/s | cold failures | cold p99 | instance CPU µs/req | postgres CPU µs/req |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     got = {name: [] for name, _ in binaries}
     for r in range(args.rounds):
         order = binaries if r % 2 == 0 else list(reversed(binaries))
@@ -139,14 +160,18 @@ def run(args):
             reqs = max(f["flood_total"] + f["cold_total"], 1)
             lines.append(
                 f"| {name} | {r + 1} | {f['flood_rps']:.0f} | {f['flood_bad']} of {f['flood_total']} | "
-                f"{f['flood_rows'] / secs:.1f} | {f['flood_statements'] / max(f['flood_total'], 1):.3f} | "
-                f"{f['rounds']:.0f} | {f['cold_rps']:.0f} | {f['cold_bad']} | "
+                f"{f['flood_rows'] / secs:.1f} | {f['rounds']:.0f} | "
+                f"{flood_statements(f) / max(f['flood_total'], 1):.3f} | {f['statements'] / reqs:.3f} | "
+                f"{f['cold_rps']:.0f} | {f['cold_bad']} | "
                 f"{f['cold_p99'] if f['cold_p99'] is not None else float('nan'):.1f} ms | "
                 f"{f['instance_cpu'] / reqs * 1e6:.0f} | {f['postgres_cpu'] / reqs * 1e6:.0f} |")
     lines += [""]
     for name, runs in got.items():
         lines.append(f"- {name}: rows/s {spread([x['flood_rows'] / secs for x in runs], '.1f')}, "
-                     f"statements per flood request {spread([x['flood_statements'] / max(x['flood_total'], 1) for x in runs], '.3f')}, "
+                     f"flood statements per flood request "
+                     f"{spread([flood_statements(x) / max(x['flood_total'], 1) for x in runs], '.3f')}, "
+                     f"statements per request in all "
+                     f"{spread([x['statements'] / max(x['flood_total'] + x['cold_total'], 1) for x in runs], '.3f')}, "
                      f"cold p99 {spread([x['cold_p99'] or 0.0 for x in runs], '.1f')} ms")
     lines += [""]
     write_results("staleness-flood.md", "\n".join(lines))
