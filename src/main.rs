@@ -40,6 +40,17 @@ async fn main() -> anyhow::Result<()> {
                 print!("{inspection}");
             }
         }
+        Command::Healthcheck(args) => match postcache::cli::healthcheck::run(&args).await {
+            Ok(200) => println!("ok"),
+            Ok(status) => {
+                eprintln!("{} answered {status}", args.path);
+                std::process::exit(1);
+            }
+            Err(error) => {
+                eprintln!("{error:#}");
+                std::process::exit(1);
+            }
+        },
         Command::Serve(args) => {
             let app = Application::build(*args).await?;
             app.run_until_stopped(shutdown_signal()).await?;

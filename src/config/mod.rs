@@ -44,6 +44,30 @@ pub enum Command {
     /// backoff copy), ages and TTLs, the fail-safe copy, the lock and its
     /// holder, the ready channel's subscribers.
     Inspect(Box<InspectArgs>),
+    /// Ask a running instance's /livez (ADMIN_ADDR where set, else
+    /// LISTEN_ADDR): exit 0 on a 200, 1 otherwise (a container's HEALTHCHECK).
+    Healthcheck(HealthcheckArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct HealthcheckArgs {
+    /// The instance's listen address (asked when ADMIN_ADDR is empty; an
+    /// unspecified address is asked on loopback).
+    #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
+    pub listen_addr: SocketAddr,
+
+    /// The instance's admin address, asked where set.
+    #[arg(long, env = "ADMIN_ADDR", default_value = "", value_parser = parse_optional_addr)]
+    pub admin_addr: OptionalAddr,
+
+    /// The path asked: `/livez` (the process answers) or `/readyz` (it
+    /// takes reads).
+    #[arg(long, default_value = "/livez", value_parser = ["/livez", "/readyz", "/healthz"])]
+    pub path: String,
+
+    /// Longest the check waits for the answer.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub timeout: Duration,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -147,8 +171,9 @@ pub struct ServeArgs {
     #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
     pub listen_addr: SocketAddr,
 
-    /// A second listen address serving only `/metrics` and `/readyz` (for
-    /// monitoring off the public port); empty: off.
+    /// A second listen address serving only `/livez`, `/readyz` and
+    /// `/metrics` (probes and monitoring off the public port, never shed);
+    /// empty: off.
     #[arg(long, env = "ADMIN_ADDR", default_value = "", value_parser = parse_optional_addr)]
     pub admin_addr: OptionalAddr,
 

@@ -506,3 +506,41 @@ async fn after_sigterm_readyz_is_503_while_reads_are_served_for_shutdown_delay()
         "exited {exited:?} after the signal, before SHUTDOWN_DELAY"
     );
 }
+
+/// `postcache healthcheck` (a container's HEALTHCHECK): 0 while the
+/// instance answers `/livez` on its admin address (given as `0.0.0.0`,
+/// asked on loopback) or, without one, on LISTEN_ADDR; 1 where nothing
+/// answers, within its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn healthcheck_exits_0_while_the_instance_answers_and_1_where_nothing_does() {
+    let env = TestEnv::new(1).await;
+    let port = free_port();
+    let app = env
+        .spawn(&["--admin-addr", &format!("0.0.0.0:{port}")])
+        .await;
+    let check = |listen: String, admin: String| {
+        let started = Instant::now();
+        let out = std::process::Command::new(ServiceProcess::binary())
+            .args(["healthcheck", "--timeout", "1s"])
+            .env("LISTEN_ADDR", listen)
+            .env("ADMIN_ADDR", admin)
+            .output()
+            .expect("the binary runs");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+            started.elapsed(),
+        )
+    };
+    let closed = format!("127.0.0.1:{}", free_port());
+
+    let (admin, ..) = check(closed.clone(), format!("0.0.0.0:{port}"));
+    let (public, ..) = check(app.http.addr().to_string(), String::new());
+    let (nothing, said, took) = check(closed.clone(), String::new());
+
+    assert_eq!(admin, Some(0), "the admin address answers /livez");
+    assert_eq!(public, Some(0), "LISTEN_ADDR answers /livez");
+    assert_eq!(nothing, Some(1), "nothing listens: {said}");
+    assert!(said.contains("cannot connect"), "{said}");
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+}
