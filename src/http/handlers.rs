@@ -650,6 +650,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
             .map(|replicas| replicas.report())
             .unwrap_or_default(),
     };
+    metrics::ready(readiness.status() == StatusCode::OK);
     (readiness.status(), Json(body)).into_response()
 }
 

@@ -233,6 +233,11 @@ pub fn primary_position_read() {
     counter!(PRIMARY_POSITION_READS).increment(1);
 }
 
+/// What `GET /readyz` answered: ready (200) or not (503).
+pub fn ready(ready: bool) {
+    gauge!(READY).set(if ready { 1.0 } else { 0.0 });
+}
+
 /// How long a read waited for the change feed to pass its position.
 pub fn position_wait(waited: Duration) {
     histogram!(POSITION_WAIT).record(waited.as_secs_f64());
@@ -297,21 +302,49 @@ mod tests {
             for target in panel["targets"].as_array().expect("targets") {
                 let expr = target["expr"].as_str().expect("an expr");
                 queries += 1;
-                let mut named = 0;
-                for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
-                    if !word.starts_with("postcache_") {
-                        continue;
-                    }
-                    named += 1;
-                    let base = ["_bucket", "_sum", "_count"]
-                        .iter()
-                        .find_map(|s| word.strip_suffix(s))
-                        .unwrap_or(word);
-                    assert!(ALL.contains(&base), "{word} in {expr:?} is not exported");
-                }
-                assert!(named > 0, "{expr:?} names no postcache metric");
+                assert!(exported(expr) > 0, "{expr:?} names no postcache metric");
             }
         }
         assert!(queries >= 10);
+    }
+
+    /// Every alert rule names metrics that this service exports (what the
+    /// rules do is tested by `promtool test rules`: see deploy/check).
+    #[test]
+    fn the_alert_rules_query_only_metrics_that_exist() {
+        let raw = include_str!("../../../deploy/prometheus/alerts.yml");
+        let mut rules = 0;
+        for line in raw.lines().map(str::trim_start) {
+            if line.starts_with("- alert:") {
+                rules += 1;
+            }
+        }
+        assert!(rules >= 7, "{rules} alert rules");
+        let expressions: Vec<&str> = raw
+            .split("expr:")
+            .skip(1)
+            .map(|rest| rest.split("labels:").next().unwrap())
+            .collect();
+        assert_eq!(expressions.len(), rules);
+        for expr in expressions {
+            assert!(exported(expr) > 0, "{expr:?} names no postcache metric");
+        }
+    }
+
+    /// How many postcache metrics `expr` names, each asserted exported.
+    fn exported(expr: &str) -> usize {
+        let mut named = 0;
+        for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if !word.starts_with("postcache_") {
+                continue;
+            }
+            named += 1;
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| word.strip_suffix(s))
+                .unwrap_or(word);
+            assert!(ALL.contains(&base), "{word} in {expr:?} is not exported");
+        }
+        named
     }
 }

@@ -146,6 +146,10 @@ pub const POSITION_WAIT: &str = "postcache_min_lsn_wait_seconds";
 /// Statements that read the primary's WAL position for reads the cache
 /// could not vouch for: one per round, shared by every read waiting.
 pub const PRIMARY_POSITION_READS: &str = "postcache_primary_position_reads_total";
+/// What the last `GET /readyz` answered: 1 (200: ready or degraded) or 0
+/// (503: draining or unavailable). Its changes are the readiness flaps
+/// `deploy/prometheus/alerts.yml` watches.
+pub const READY: &str = "postcache_ready";
 
 /// Every metric name, for checks that dashboards name only what exists.
 pub const ALL: &[&str] = &[
@@ -199,6 +203,7 @@ pub const ALL: &[&str] = &[
     POSITION_READS,
     POSITION_WAIT,
     PRIMARY_POSITION_READS,
+    READY,
 ];
 
 pub(super) fn describe() {
@@ -306,6 +311,10 @@ pub(super) fn describe() {
     describe_counter!(
         REPLICA_ROUTED,
         "Loads by where they were read: a replica, or the primary and why."
+    );
+    describe_gauge!(
+        READY,
+        "What the last GET /readyz answered: 1 (200: ready or degraded) or 0 (503: draining or unavailable)."
     );
     describe_counter!(
         PRIMARY_POSITION_READS,
