@@ -489,9 +489,14 @@ pub struct Health {
         (status = 503, description = "Overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS) or past REQUEST_TIMEOUT", body = ErrorBody),
     )
 )]
-pub async fn healthz() -> Json<Health> {
-    Json(Health { status: "ok" })
+pub async fn healthz() -> impl IntoResponse {
+    (NOT_STORED, Json(Health { status: "ok" }))
 }
+
+/// `Cache-Control: no-store`, for what says the state of one process now
+/// (the probes): no cache may keep it, heuristically or otherwise.
+pub const NOT_STORED: [(header::HeaderName, HeaderValue); 1] =
+    [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))];
 
 /// `GET /livez`: the process is responsive (Kubernetes' liveness probe).
 /// Also served on ADMIN_ADDR, where no cap sheds it: a restart is for a
@@ -505,8 +510,8 @@ pub async fn healthz() -> Json<Health> {
         (status = 503, description = "Overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS) or past REQUEST_TIMEOUT, on the public address only", body = ErrorBody),
     )
 )]
-pub async fn livez() -> Json<Health> {
-    Json(Health { status: "ok" })
+pub async fn livez() -> impl IntoResponse {
+    (NOT_STORED, Json(Health { status: "ok" }))
 }
 
 /// Whether the instance takes reads, from what it knows of itself and its
@@ -651,7 +656,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
             .unwrap_or_default(),
     };
     metrics::ready(readiness.status() == StatusCode::OK);
-    (readiness.status(), Json(body)).into_response()
+    (readiness.status(), NOT_STORED, Json(body)).into_response()
 }
 
 /// `GET /metrics`: Prometheus text format.

@@ -277,12 +277,17 @@ fn rendered() -> Bytes {
         (status = 503, description = "Overloaded (MAX_IN_FLIGHT, MAX_CONNECTIONS) or past REQUEST_TIMEOUT", body = ErrorBody),
     )
 )]
+/// Sent `no-store`: it changes with the instance's version, and a cache
+/// that kept it would describe a fleet mid-rollout by its old half.
 pub async fn openapi_json() -> Response {
     (
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        )],
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            ),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-store")),
+        ],
         rendered(),
     )
         .into_response()

@@ -266,11 +266,17 @@ async fn healthz_is_ok_and_readyz_reports_both_backends() {
 
     let health = app.get("/healthz").await;
     let ready = app.get("/readyz").await;
+    let live = app.get("/livez").await;
 
     assert_eq!(health.status, 200);
     assert_eq!(ready.status, 200);
+    assert_eq!(live.status, 200);
     assert_eq!(ready.json()["postgres"], "up");
     assert_eq!(ready.json()["redis"], "up");
+    // A probe's answer is this process now: no cache keeps it.
+    for reply in [&health, &ready, &live] {
+        assert_eq!(reply.headers["cache-control"], "no-store");
+    }
 }
 
 /// Readiness follows what the instance can serve: with one dependency down
@@ -363,6 +369,7 @@ async fn the_openapi_document_is_served_with_the_caching_headers_of_reads() {
 
     assert_eq!(reply.status, 200);
     assert_eq!(reply.content_type.as_deref(), Some("application/json"));
+    assert_eq!(reply.headers["cache-control"], "no-store");
     let doc = reply.json();
     assert_eq!(doc["openapi"], "3.1.0");
     let read = &doc["paths"]["/posts/{id}"]["get"]["responses"];
