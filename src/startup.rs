@@ -187,11 +187,11 @@ impl Application {
             feed: feed.status(),
             caching,
             replicas: replicas.clone(),
-            past: store::PastReads::new(
+            past: Arc::new(store::PastReads::new(
                 store::connect_past(&args.database, args.past_read_connections)?,
                 replicas.clone(),
                 args.load_timeout(),
-            ),
+            )),
             min_lsn_wait: c.min_lsn_wait,
             draining: Default::default(),
         });

@@ -22,7 +22,7 @@
 //! elsewhere. Without a change feed in replication mode, or with it down,
 //! no position is known: reads that ask for one go past the cache.
 
-use std::{cell::RefCell, time::Duration};
+use std::{cell::RefCell, sync::Arc, time::Duration};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -191,13 +191,14 @@ pub const PRIMARY_WAIT: Duration = Duration::from_millis(300);
 ///   passed it the cache answers (a bound of 0 ms is met). A flood of such
 ///   reads costs a statement per round, no row.
 /// - A position past the feed's: past the primary's last known position,
-///   the primary is asked, and a position past its own is a 400 at once;
-///   then the feed is waited for.
+///   the primary is asked while the feed is waited for; a position past
+///   the primary's is a 400 as soon as it answers, and the feed passing
+///   the position first answers from the cache without waiting for it.
 ///
 /// Whatever the feed does not pass within the wait is read past the cache.
 pub async fn route(
     beats: &Beats,
-    past: &PastReads,
+    past: &Arc<PastReads>,
     wanted: Wanted,
     wait: Duration,
 ) -> Result<Route, ApiError> {
@@ -216,36 +217,62 @@ pub async fn route(
     let future = || ApiError::MinLsnAhead {
         asked: format_lsn(min),
     };
-    let (target, wait) = if fresh_enough {
+    if fresh_enough {
         // A position at or below one the primary is known to have reached
         // is not in the future: no statement.
-        if min > past.known_primary() && min > past.primary_position().await? {
-            return Err(future());
+        if min <= past.known_primary() || wait.is_zero() {
+            return Ok(wait_for(beats, min, wait).await);
         }
-        (min, wait)
-    } else {
-        let primary = past.primary_position().await?;
-        if min > primary {
-            return Err(future());
-        }
-        // A wait of none stays none; any other is at least PRIMARY_WAIT.
-        let wait = if wait.is_zero() {
-            wait
-        } else {
-            wait.max(PRIMARY_WAIT)
+        // Else the primary is asked at once, beside the wait for the feed
+        // (not before it: a write's position, read at once, is passed by
+        // the feed within a few milliseconds). A position past the
+        // primary's is a 400 without a wait; one the feed passes first is
+        // answered from the cache without waiting for the answer, and the
+        // round goes on, in a task of its own, for the reads that share it.
+        let asked = tokio::spawn({
+            let past = past.clone();
+            async move { past.primary_position().await }
+        });
+        let reached = wait_for(beats, min, wait);
+        tokio::pin!(reached);
+        return tokio::select! {
+            biased;
+            route = &mut reached => Ok(route),
+            primary = asked => match primary {
+                Ok(Ok(primary)) if min > primary => Err(future()),
+                // Not in the future, or the primary could not be asked:
+                // the feed decides (a read past the cache fails as it
+                // would).
+                _ => Ok(reached.await),
+            },
         };
-        (primary, wait)
+    }
+    let primary = past.primary_position().await?;
+    if min > primary {
+        return Err(future());
+    }
+    // A wait of none stays none; any other is at least PRIMARY_WAIT.
+    let wait = if wait.is_zero() {
+        wait
+    } else {
+        wait.max(PRIMARY_WAIT)
     };
+    Ok(wait_for(beats, primary, wait).await)
+}
+
+/// The cache once the feed has passed `target` within `wait`, else past
+/// it.
+async fn wait_for(beats: &Beats, target: u64, wait: Duration) -> Route {
     if wait.is_zero() {
-        return Ok(Route::Past);
+        return Route::Past;
     }
     let started = std::time::Instant::now();
     let reached = beats.reached(target, wait).await;
     metrics::position_wait(started.elapsed());
-    Ok(match beats.position() {
+    match beats.position() {
         Some(at) if reached && at >= target => Route::Cache { at, waited: true },
         _ => Route::Past,
-    })
+    }
 }
 
 #[cfg(test)]

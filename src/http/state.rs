@@ -49,7 +49,7 @@ pub struct Shared {
     /// What reads that ask for a position or a staleness the cache cannot
     /// vouch for run on PostgreSQL, on a pool of their own (see
     /// `position.rs` and `store/past.rs`).
-    pub past: PastReads,
+    pub past: Arc<PastReads>,
     /// MIN_LSN_WAIT.
     pub min_lsn_wait: std::time::Duration,
     /// Set at the shutdown signal: `/readyz` then answers 503 while reads
