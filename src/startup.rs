@@ -56,6 +56,8 @@ pub struct Application {
     /// DATABASE_REPLICA_URLS, and the task that probes them.
     replicas: Option<Arc<Replicas>>,
     _replicas: Option<AbortOnDropHandle<()>>,
+    /// What reads that need PostgreSQL's word run on (closed at shutdown).
+    past: Arc<store::PastReads>,
     /// SHUTDOWN_DELAY.
     shutdown_delay: Duration,
 }
@@ -90,6 +92,7 @@ pub fn read_path_settings(c: &CacheSettings, database: &DatabaseSettings) -> rea
             0
         },
         memory_ttl: c.l1_ttl,
+        min_lsn_wait: c.min_lsn_wait,
         #[cfg(feature = "testkit")]
         hooks: read_path::Hooks::default(),
     }
@@ -139,12 +142,23 @@ impl Application {
             Some(replicas) => PostStore::with_replicas(pool.clone(), replicas.clone()),
             None => PostStore::new(pool.clone()),
         };
+        // The feed's position, as the stream's reader learns it, and
+        // PostgreSQL's word on a pool of its own: what reads that ask for a
+        // position need (see `read_path/asked.rs`).
+        let beats = Arc::new(crate::changes::fanout::Beats::default());
+        let past = Arc::new(store::PastReads::new(
+            store::connect_past(&args.database, args.past_read_connections)?,
+            replicas.clone(),
+            args.load_timeout(),
+        ));
         let read_path = ReadPath::new(
             store.clone(),
             Keys::new(c.key_prefix.clone(), "post"),
             commands,
             Subscriber::start(subscriber.clone(), c.redis_timeout),
             settings,
+            beats.clone(),
+            past.clone(),
         );
         let metrics = telemetry::metrics::install();
         let metrics_upkeep =
@@ -159,6 +173,7 @@ impl Application {
             },
             &c.key_prefix,
             read_path.clone(),
+            beats,
         )
         .await?;
         // With EXISTENCE_GUARD off nobody builds the guard, and it stands
@@ -187,12 +202,6 @@ impl Application {
             feed: feed.status(),
             caching,
             replicas: replicas.clone(),
-            past: Arc::new(store::PastReads::new(
-                store::connect_past(&args.database, args.past_read_connections)?,
-                replicas.clone(),
-                args.load_timeout(),
-            )),
-            min_lsn_wait: c.min_lsn_wait,
             draining: Default::default(),
         });
         let limits = Limits {
@@ -230,6 +239,7 @@ impl Application {
             _guard: guard,
             replicas,
             _replicas: replicas_task,
+            past,
             shutdown_delay: args.shutdown_delay,
         })
     }
@@ -311,7 +321,7 @@ impl Application {
         let close = async {
             self.state.db.close().await;
             self.state.probe.close().await;
-            self.state.past.close().await;
+            self.past.close().await;
             if let Some(replicas) = &self.replicas {
                 replicas.close().await;
             }

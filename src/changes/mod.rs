@@ -116,13 +116,15 @@ struct Setup {
 
 impl Feed {
     /// Starts following and returns once the feed is up or its first
-    /// attempt failed, or after STARTUP_WAIT.
+    /// attempt failed, or after STARTUP_WAIT; `beats` learns the feed's
+    /// position (the read path asks it: see `read_path/asked.rs`).
     pub async fn start(
         mode: ChangeFeed,
         database: &DatabaseSettings,
         timeouts: FeedTimeouts,
         key_prefix: &str,
         read_path: Arc<ReadPath<PostStore>>,
+        beats: Arc<fanout::Beats>,
     ) -> anyhow::Result<Self> {
         // A cutoff raised before this process started holds from its
         // first request.
@@ -133,7 +135,6 @@ impl Feed {
             read_path.clone(),
         )))];
         let report = Arc::new(Mutex::new(Report::default()));
-        let beats = Arc::new(fanout::Beats::default());
         if mode == ChangeFeed::Off {
             tracing::info!(
                 mode = "off",

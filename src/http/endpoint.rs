@@ -19,8 +19,8 @@ use hyper::body::Incoming;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
-use super::{error::ApiError, handlers, openapi, position::Wanted, state::AppState};
-use crate::{posts::PostId, telemetry::metrics};
+use super::{error::ApiError, handlers, openapi, position, state::AppState};
+use crate::{posts::PostId, read_path::Wanted, telemetry::metrics};
 
 /// Bounds applied to every request but a memory hit (see [`Endpoint`]).
 #[derive(Debug, Clone, Copy)]
@@ -80,11 +80,11 @@ impl Endpoint {
         };
         let answer =
             match handlers::post_read(&request) {
-                Some(id) => match Wanted::from_headers(request.headers()) {
+                Some(id) => match position::wanted(request.headers()) {
                     Ok(None) => Either::Left(self.read(request, id)),
                     // Boxed, as the routes: a read that asks for a position is
                     // rarer and its future larger.
-                    Ok(Some(wanted)) => Either::Right(self.read_wanted(request, id, *wanted)),
+                    Ok(Some(wanted)) => Either::Right(self.read_wanted(request, id, wanted)),
                     Err(error) => return Either::Left(ready(Ok(counted(error.into_response())))),
                 },
                 // Boxed: the routes' futures are larger than a read's, and rarer.
@@ -119,7 +119,7 @@ impl Endpoint {
         let validators = handlers::IfNoneMatch::from_headers(request.headers()).detached();
         drop(request);
         let state = self.state.clone();
-        async move { handlers::read_post(&state, id, validators).await }
+        async move { handlers::read_post(&state, id, validators, None).await }
     }
 
     /// As [`Endpoint::read`], for a read that asked for `wanted`.
@@ -127,7 +127,7 @@ impl Endpoint {
         let validators = handlers::IfNoneMatch::from_headers(request.headers()).detached();
         drop(request);
         let state = self.state.clone();
-        Box::pin(async move { handlers::read_post_wanted(&state, id, validators, wanted).await })
+        Box::pin(async move { handlers::read_post(&state, id, validators, Some(wanted)).await })
     }
 }
 

@@ -87,15 +87,6 @@ impl ApiError {
     }
 }
 
-impl From<crate::store::PastFailure> for ApiError {
-    fn from(failure: crate::store::PastFailure) -> Self {
-        match failure {
-            crate::store::PastFailure::Full => ApiError::Busy,
-            crate::store::PastFailure::Failed => ApiError::Unavailable,
-        }
-    }
-}
-
 impl From<ReadError> for ApiError {
     fn from(e: ReadError) -> Self {
         match e {

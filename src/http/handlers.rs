@@ -1,6 +1,6 @@
 //! HTTP: request handlers.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::{
     body::Body,
@@ -15,14 +15,12 @@ use utoipa::ToSchema;
 use super::{
     caching::CachingHeaders,
     error::{ApiError, ErrorBody},
-    head,
-    position::{self, Route, Wanted},
-    served, AppState,
+    head, position, served, AppState,
 };
 use crate::{
     cache::{now_millis, Entry, Status},
     posts::{Post, PostId},
-    read_path::{Answer, Served},
+    read_path::{self, Answer, Items, ReadError, Reply, Served, Wanted},
     telemetry::metrics,
 };
 
@@ -105,11 +103,9 @@ pub fn memory_hit<B>(state: &AppState, request: &Request<B>) -> Option<Response>
     let id = post_read(request)?;
     let validators = IfNoneMatch::of_plain_read(request.headers())?;
     let started = Instant::now();
-    // Read before the tier: every change up to it was applied there.
-    let at = state.feed.beats().position_at(started);
     // One reading of the clock for the tier's judgement and the headers.
     let now = now_millis();
-    let answer = state.read_path.memory_hit(&id.get(), now)?;
+    let (answer, at) = state.read_path.memory_hit(&id.get(), started, now)?;
     Some(counted(state, &answer, &validators, started, now, at))
 }
 
@@ -158,190 +154,55 @@ pub async fn get_post(
 ) -> Result<Response, ApiError> {
     let Path(segment) = path.map_err(|_| ApiError::InvalidPath)?;
     let id = PostId::parse(&segment)?;
-    Ok(match Wanted::from_headers(&headers)? {
-        None => read_post(&state, id, validators).await,
-        Some(wanted) => read_post_wanted(&state, id, validators, *wanted).await,
-    })
+    let wanted = position::wanted(&headers)?;
+    Ok(read_post(&state, id, validators, wanted).await)
 }
 
-/// Reads post `id` and answers it, or its error. Its span is at debug
-/// level: one per request costs the hit path more than the rest of it.
+/// Reads post `id` through the read path's one door (`ReadPath::serve`,
+/// which decides where a read that asked for `wanted` is answered from),
+/// and answers it, or its error. Its span is at debug level: one per
+/// request costs the hit path more than the rest of it.
 #[tracing::instrument(name = "get_post", level = "debug", skip_all, fields(id = id.get(), outcome, role, load_ms))]
-pub async fn read_post(state: &AppState, id: PostId, validators: IfNoneMatch) -> Response {
-    let started = Instant::now();
-    // Read before the read: every change up to it is in the cache. Kept as
-    // a plain number across the read, which every waiting request holds
-    // (0: none known; no position is 0).
-    let at = state.feed.beats().position_at(started).unwrap_or(0);
-    let read = state.read_path.read(id.get()).await;
-    answered(state, read, &validators, started, at)
-}
-
-/// As [`read_post`], for a read that asked for `wanted` (see
-/// `position.rs`): from the cache once it is known fresh enough, else read
-/// past it.
-#[tracing::instrument(name = "get_post", level = "debug", skip_all, fields(id = id.get(), outcome, role, load_ms))]
-pub async fn read_post_wanted(
+pub async fn read_post(
     state: &AppState,
     id: PostId,
     validators: IfNoneMatch,
-    wanted: Wanted,
+    wanted: Option<Wanted>,
 ) -> Response {
     let started = Instant::now();
-    let routed = match route(state, wanted).await {
-        Ok(routed) => routed,
-        Err(error) => {
-            metrics::request("error", "none", started.elapsed());
-            return error.into_response();
-        }
+    let request = read_path::Request {
+        items: Items::One(id.get()),
+        wanted,
+        started,
     };
-    let past = match routed {
-        Route::Cache { at, waited } => {
-            let read = state.read_path.read(id.get()).await;
-            // A stale copy (the fail-safe copy of a failed load may be the
-            // version before a change) is no answer to a position.
-            if !read
-                .as_ref()
-                .is_ok_and(|answer| answer.served == Served::Stale)
-            {
-                from_cache(waited);
-                return answered(state, read, &validators, started, at);
-            }
-            Box::pin(read_past(state, &[id.get()], wanted)).await
+    let reply = state.read_path.serve(request).await;
+    let (answer, at, past) = match reply {
+        Ok(Reply {
+            mut answers,
+            at,
+            past,
+        }) => {
+            let answer = answers.pop().unwrap_or(Err(ReadError::Unavailable));
+            (answer.map_err(ApiError::from), at, past)
         }
-        Route::Past => Box::pin(read_past(state, &[id.get()], wanted)).await,
+        Err(refused) => (Err(ApiError::from(refused)), None, false),
     };
-    match past {
-        Ok((mut answers, at)) => {
-            let answer = answers.pop().expect("one answer per id");
+    match answer {
+        Ok(answer) => {
             let mut response = counted(state, &answer, &validators, started, now_millis(), at);
-            past_headers(response.headers_mut());
+            if past {
+                past_headers(response.headers_mut());
+            }
             response
         }
         Err(error) => {
+            if tracing::level_enabled!(tracing::Level::DEBUG) {
+                tracing::Span::current().record("outcome", error.to_string());
+            }
             metrics::request("error", "none", started.elapsed());
             error.into_response()
         }
     }
-}
-
-/// The response to a read, counted; `at`: the position the cache was known
-/// fresh at when it began (0: none).
-fn answered(
-    state: &AppState,
-    read: Result<Answer, crate::read_path::ReadError>,
-    validators: &IfNoneMatch,
-    started: Instant,
-    at: u64,
-) -> Response {
-    match read {
-        // A stale copy says no position: the fail-safe copy of a failed
-        // load may be the version before a change.
-        Ok(answer) => counted(
-            state,
-            &answer,
-            validators,
-            started,
-            now_millis(),
-            (at != 0 && answer.served != Served::Stale).then_some(at),
-        ),
-        Err(e) => {
-            if tracing::level_enabled!(tracing::Level::DEBUG) {
-                tracing::Span::current().record("outcome", e.to_string());
-            }
-            metrics::request("error", "none", started.elapsed());
-            ApiError::from(e).into_response()
-        }
-    }
-}
-
-/// Where a read that asked for a position or a staleness bound is answered
-/// from (counted once answered: see [`from_cache`] and [`read_past`]), or
-/// why it is not.
-pub(super) async fn route(state: &AppState, wanted: Wanted) -> Result<Route, ApiError> {
-    position::route(state.feed.beats(), &state.past, wanted, state.min_lsn_wait).await
-}
-
-/// Counts a read that asked for a position as answered from the cache.
-pub(super) fn from_cache(waited: bool) {
-    metrics::position_read(if waited { "wait" } else { "cache" });
-}
-
-/// Reads `ids` past the cache, at a position at least the one `wanted`
-/// names: an answer per id, in order (served as a bypass, stored nowhere),
-/// and a position they reflect every commit up to, if one is known.
-///
-/// From a replica, that is the position it had replayed before it read (a
-/// standby shows commits in the order they were replayed). The primary
-/// shows a commit a moment after its record is written (longer while a
-/// synchronous standby holds it), so its WAL position may name a commit
-/// its rows do not have yet: the answer says the position this instance's
-/// change feed had reached before the read (the decoder applies a commit
-/// only once it is visible), or none.
-pub(super) async fn read_past(
-    state: &AppState,
-    ids: &[i64],
-    wanted: Wanted,
-) -> Result<(Vec<Answer>, Option<u64>), ApiError> {
-    let started = Instant::now();
-    let visible = state.feed.beats().position_at(started);
-    let min = wanted.min_lsn.unwrap_or(0);
-    // No older than what this process served of them (a replica must have
-    // replayed that far: see read_path/floor.rs).
-    let floor = ids
-        .iter()
-        .map(|id| state.read_path.floor_of(id))
-        .max()
-        .unwrap_or(0);
-    let at_least = Some(min.max(floor)).filter(|&at| at > 0);
-    let read = state.past.read_at_least(ids, at_least).await?;
-    if read.position < min {
-        return Err(ApiError::MinLsnAhead {
-            asked: position::format_lsn(min),
-        });
-    }
-    metrics::position_read(if read.replica { "replica" } else { "primary" });
-    let took = started.elapsed();
-    let answers = ids
-        .iter()
-        .map(|id| {
-            let entry = match read.posts.iter().find(|post| post.id == *id) {
-                Some(post) => {
-                    let body = serde_json::to_vec(post).map_err(|error| {
-                        tracing::warn!(%error, id, "a post read past the cache does not encode");
-                        ApiError::Unavailable
-                    })?;
-                    Entry::from_load(
-                        Status::Found,
-                        &body,
-                        Duration::ZERO,
-                        took,
-                        started,
-                        read.upto,
-                    )
-                }
-                None => Entry::from_load(
-                    Status::NotFound,
-                    b"",
-                    Duration::ZERO,
-                    took,
-                    started,
-                    read.upto,
-                ),
-            };
-            Answer::new(entry, Served::Bypass).map_err(ApiError::from)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    // What this process serves of them from now on is no older.
-    for (id, answer) in ids.iter().zip(&answers) {
-        state.read_path.served_past(id, answer);
-    }
-    let at = if read.replica {
-        Some(read.position)
-    } else {
-        visible
-    };
-    Ok((answers, at))
 }
 
 /// What a read past the cache says of itself, beside a bypass's headers.

@@ -1,7 +1,9 @@
 //! HTTP: `GET /posts?ids=1,2,3`, many posts in one request. The ids are
-//! read together (`ReadPath::read_many`: the memory tier, one look in Redis
+//! read together (`ReadPath::serve` with many keys: the memory tier, one look in Redis
 //! per node, the misses' loads sharing statements); the answer lists the
 //! posts found in the order asked, and the ids not found and unavailable.
+
+use std::time::Instant;
 
 use axum::{
     extract::{rejection::QueryRejection, Query, State},
@@ -15,13 +17,12 @@ use xxhash_rust::xxh3::Xxh3;
 use super::{
     error::{ApiError, ErrorBody},
     handlers::{self, etag_value, IfNoneMatch},
-    position::{self, Route, Wanted},
-    AppState,
+    position, AppState,
 };
 use crate::{
     cache::{now_millis, Status},
     posts::{Post, PostId},
-    read_path::{Answer, ReadError, Served},
+    read_path::{Items, Reply, Request, Served},
 };
 
 /// Most ids one request may list (duplicates included).
@@ -103,7 +104,7 @@ pub async fn get_posts(
     headers: HeaderMap,
     query: Result<Query<Vec<(String, String)>>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let wanted = Wanted::from_headers(&headers)?;
+    let wanted = position::wanted(&headers)?;
     let Query(pairs) =
         query.map_err(|_| ApiError::InvalidIds("the query string is not decodable".into()))?;
     let mut lists = pairs.iter().filter(|(name, _)| name == "ids");
@@ -112,44 +113,16 @@ pub async fn get_posts(
     };
     let ids = parse_ids(list)?;
     let keys: Vec<i64> = ids.iter().map(|id| id.get()).collect();
-    // As for one post (see `position.rs`): the cache when it has every
-    // change up to the position asked (or is fresh enough), else every id
-    // read past it, at one position.
-    let stale = |answers: &[Result<Answer, ReadError>]| {
-        answers
-            .iter()
-            .any(|answer| answer.as_ref().is_ok_and(|a| a.served == Served::Stale))
+    // Through the read path's one door, as one post (see
+    // `read_path/asked.rs`): the cache when it has every change up to the
+    // position asked (or is fresh enough), else every id read past it, at
+    // one position.
+    let request = Request {
+        items: Items::Many(keys.clone()),
+        wanted,
+        started: Instant::now(),
     };
-    let (answers, at, past) = match wanted {
-        None => {
-            let at = state.feed.beats().position();
-            let answers = state.read_path.read_many(keys.clone()).await;
-            // A stale copy says no position (see `handlers::answered`).
-            let at = at.filter(|_| !stale(&answers));
-            (answers, at, false)
-        }
-        Some(wanted) => {
-            let cached = match handlers::route(&state, *wanted).await? {
-                Route::Cache { at, waited } => {
-                    let answers = state.read_path.read_many(keys.clone()).await;
-                    // A stale copy is no answer to a position.
-                    let cached = !stale(&answers);
-                    if cached {
-                        handlers::from_cache(waited);
-                    }
-                    cached.then_some((answers, Some(at), false))
-                }
-                Route::Past => None,
-            };
-            match cached {
-                Some(cached) => cached,
-                None => {
-                    let (answers, at) = handlers::read_past(&state, &keys, *wanted).await?;
-                    (answers.into_iter().map(Ok).collect(), at, true)
-                }
-            }
-        }
-    };
+    let Reply { answers, at, past } = state.read_path.serve(request).await?;
     let now = now_millis();
     let mut posts = Vec::with_capacity(2 + keys.len() * 256);
     let (mut not_found, mut unavailable, mut stale) = (Vec::new(), Vec::new(), Vec::new());

@@ -1,20 +1,13 @@
-//! HTTP: reads that ask for a position (read your writes).
+//! HTTP: the headers of reads that ask for a position (read your writes).
 //!
 //! A client that wrote to PostgreSQL reads `pg_current_wal_lsn()` after its
 //! commit and sends it back as `PostCache-Min-LSN: 0/16B3748`: the answer
-//! then reflects every commit at or before that position. The change feed
-//! (replication) applies changes in commit order, first to Redis and then,
-//! as each instance reads the fleet's stream, to its memory tier, so once
-//! this instance has read the stream past the position the cache has every
-//! change up to it: a change at or before it would have invalidated the
-//! entry. The read is then served as any other. Otherwise it waits, woken
-//! by the stream's reader, up to MIN_LSN_WAIT; past that it reads past the
-//! cache, from a replica that has replayed the position or from the
-//! primary, and stores nothing.
-//!
-//! `PostCache-Max-Staleness: 250ms` asks that this instance has heard the
-//! decoder say, within that long, that it had applied all the server had
-//! sent (it beats every BEAT_EVERY): otherwise the read goes to the primary.
+//! then reflects every commit at or before that position.
+//! `PostCache-Max-Staleness: 250ms` asks that the answer reflect every
+//! commit visible that long before the request arrived. Where such a read
+//! is answered from (the cache, the cache after a wait for the change feed,
+//! or past the cache) is the read path's decision (`read_path/asked.rs`);
+//! this file parses the asks and renders the position.
 //!
 //! Every answer of a post says `PostCache-LSN`, the position it is known
 //! fresh at (every commit up to it is reflected), while this instance
@@ -22,66 +15,68 @@
 //! elsewhere. Without a change feed in replication mode, or with it down,
 //! no position is known: reads that ask for one go past the cache.
 
-use std::{cell::RefCell, sync::Arc, time::Duration};
+use std::{cell::RefCell, time::Duration};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
 use super::error::ApiError;
-use crate::{changes::fanout::Beats, store::PastReads, telemetry::metrics};
+use crate::read_path::{PastFailure, Refused, Wanted};
 
 pub const MIN_LSN: HeaderName = HeaderName::from_static("postcache-min-lsn");
 pub const MAX_STALENESS: HeaderName = HeaderName::from_static("postcache-max-staleness");
 pub const LSN: HeaderName = HeaderName::from_static("postcache-lsn");
 
-/// What a read asked for; `None` in both: an ordinary read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Wanted {
-    /// Every commit up to this WAL position (bytes from 0/0).
-    pub min_lsn: Option<u64>,
-    /// Heard from the decoder within this.
-    pub max_staleness: Option<Duration>,
+/// The request's asks, or a 400 for a header that does not parse or is
+/// given twice. `None` when it asks for nothing (the common case, one
+/// lookup each).
+pub fn wanted(headers: &HeaderMap) -> Result<Option<Wanted>, ApiError> {
+    let max_staleness = once(headers, &MAX_STALENESS, "PostCache-Max-Staleness")?;
+    let min_lsn = once(headers, &MIN_LSN, "PostCache-Min-LSN")?;
+    if min_lsn.is_none() && max_staleness.is_none() {
+        return Ok(None);
+    }
+    let min_lsn = match min_lsn {
+        None => None,
+        Some(value) => Some(
+            value
+                .to_str()
+                .ok()
+                .and_then(parse_lsn)
+                .ok_or(ApiError::InvalidMinLsn)?,
+        ),
+    };
+    // 0/0: every commit up to nothing, which any answer reflects.
+    let min_lsn = min_lsn.filter(|&lsn| lsn > 0);
+    let max_staleness = match max_staleness {
+        None => None,
+        Some(value) => Some(
+            value
+                .to_str()
+                .ok()
+                .and_then(parse_staleness)
+                .ok_or(ApiError::InvalidMaxStaleness)?,
+        ),
+    };
+    if min_lsn.is_none() && max_staleness.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(Wanted {
+        min_lsn,
+        max_staleness,
+    }))
 }
 
-impl Wanted {
-    /// The request's asks, or a 400 for a header that does not parse.
-    /// `None` when it asks for nothing (the common case, one lookup each).
-    /// Boxed: a read's future keeps it for the whole read, and most reads
-    /// ask for nothing.
-    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Box<Self>>, ApiError> {
-        let max_staleness = once(headers, &MAX_STALENESS, "PostCache-Max-Staleness")?;
-        let min_lsn = once(headers, &MIN_LSN, "PostCache-Min-LSN")?;
-        if min_lsn.is_none() && max_staleness.is_none() {
-            return Ok(None);
+/// A read refused by the read path: a position in the future is a 400
+/// (that does not say the server's), PostgreSQL's word not given a 503.
+impl From<Refused> for ApiError {
+    fn from(refused: Refused) -> Self {
+        match refused {
+            Refused::Future { asked } => ApiError::MinLsnAhead {
+                asked: format_lsn(asked),
+            },
+            Refused::Past(PastFailure::Full) => ApiError::Busy,
+            Refused::Past(PastFailure::Failed) => ApiError::Unavailable,
         }
-        let min_lsn = match min_lsn {
-            None => None,
-            Some(value) => Some(
-                value
-                    .to_str()
-                    .ok()
-                    .and_then(parse_lsn)
-                    .ok_or(ApiError::InvalidMinLsn)?,
-            ),
-        };
-        // 0/0: every commit up to nothing, which any answer reflects.
-        let min_lsn = min_lsn.filter(|&lsn| lsn > 0);
-        let max_staleness = match max_staleness {
-            None => None,
-            Some(value) => Some(
-                value
-                    .to_str()
-                    .ok()
-                    .and_then(parse_staleness)
-                    .ok_or(ApiError::InvalidMaxStaleness)?,
-            ),
-        };
-        if min_lsn.is_none() && max_staleness.is_none() {
-            return Ok(None);
-        }
-        Ok(Some(Box::new(Self {
-            min_lsn,
-            max_staleness,
-        })))
     }
 }
 
@@ -162,119 +157,6 @@ pub fn lsn_header(lsn: u64) -> HeaderValue {
     })
 }
 
-/// Where a read that asked for something is answered from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Route {
-    /// From the cache, which has every change up to `at`.
-    Cache { at: u64, waited: bool },
-    /// Past the cache: nothing this instance knows vouches for it.
-    Past,
-}
-
-/// The least a read whose staleness bound the beats do not meet waits for
-/// the feed to pass the primary's position (MIN_LSN_WAIT if longer): a
-/// decoder that keeps up proves a position past it within a beat or two.
-pub const PRIMARY_WAIT: Duration = Duration::from_millis(300);
-
-/// Decides where a read that asked for `wanted` is answered from, waiting
-/// up to `wait` for this instance's feed to pass the position it needs; a
-/// 400 for a position in the future, or a 503 when PostgreSQL cannot be
-/// asked.
-///
-/// - The feed vouches for it now (its beats meet the staleness bound, its
-///   position is past the one asked): the cache.
-/// - No position is known (another mode, the feed down): past the cache.
-/// - A staleness bound the beats do not meet: the primary's position is
-///   asked, once for every such read waiting on this instance (see
-///   `store/past.rs`), by a statement that began after the read arrived:
-///   every commit visible then is at or before it, so once the feed has
-///   passed it the cache answers (a bound of 0 ms is met). A flood of such
-///   reads costs a statement per round, no row.
-/// - A position past the feed's: past the primary's last known position,
-///   the primary is asked while the feed is waited for; a position past
-///   the primary's is a 400 as soon as it answers, and the feed passing
-///   the position first answers from the cache without waiting for it.
-///
-/// Whatever the feed does not pass within the wait is read past the cache.
-pub async fn route(
-    beats: &Beats,
-    past: &Arc<PastReads>,
-    wanted: Wanted,
-    wait: Duration,
-) -> Result<Route, ApiError> {
-    let fresh_enough = match wanted.max_staleness {
-        None => true,
-        Some(bound) => beats.staleness().is_some_and(|age| age <= bound),
-    };
-    let Some(at) = beats.position() else {
-        return Ok(Route::Past);
-    };
-    past.saw(at);
-    let min = wanted.min_lsn.unwrap_or(0);
-    if fresh_enough && at >= min {
-        return Ok(Route::Cache { at, waited: false });
-    }
-    let future = || ApiError::MinLsnAhead {
-        asked: format_lsn(min),
-    };
-    if fresh_enough {
-        // A position at or below one the primary is known to have reached
-        // is not in the future: no statement.
-        if min <= past.known_primary() || wait.is_zero() {
-            return Ok(wait_for(beats, min, wait).await);
-        }
-        // Else the primary is asked at once, beside the wait for the feed
-        // (not before it: a write's position, read at once, is passed by
-        // the feed within a few milliseconds). A position past the
-        // primary's is a 400 without a wait; one the feed passes first is
-        // answered from the cache without waiting for the answer, and the
-        // round goes on, in a task of its own, for the reads that share it.
-        let asked = tokio::spawn({
-            let past = past.clone();
-            async move { past.primary_position().await }
-        });
-        let reached = wait_for(beats, min, wait);
-        tokio::pin!(reached);
-        return tokio::select! {
-            biased;
-            route = &mut reached => Ok(route),
-            primary = asked => match primary {
-                Ok(Ok(primary)) if min > primary => Err(future()),
-                // Not in the future, or the primary could not be asked:
-                // the feed decides (a read past the cache fails as it
-                // would).
-                _ => Ok(reached.await),
-            },
-        };
-    }
-    let primary = past.primary_position().await?;
-    if min > primary {
-        return Err(future());
-    }
-    // A wait of none stays none; any other is at least PRIMARY_WAIT.
-    let wait = if wait.is_zero() {
-        wait
-    } else {
-        wait.max(PRIMARY_WAIT)
-    };
-    Ok(wait_for(beats, primary, wait).await)
-}
-
-/// The cache once the feed has passed `target` within `wait`, else past
-/// it.
-async fn wait_for(beats: &Beats, target: u64, wait: Duration) -> Route {
-    if wait.is_zero() {
-        return Route::Past;
-    }
-    let started = std::time::Instant::now();
-    let reached = beats.reached(target, wait).await;
-    metrics::position_wait(started.elapsed());
-    match beats.position() {
-        Some(at) if reached && at >= target => Route::Cache { at, waited: true },
-        _ => Route::Past,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,9 +166,7 @@ mod tests {
         for (name, value) in pairs {
             headers.append(*name, HeaderValue::from_str(value).unwrap());
         }
-        Wanted::from_headers(&headers)
-            .map(|w| w.map(|w| *w))
-            .map_err(|e| e.to_string())
+        super::wanted(&headers).map_err(|e| e.to_string())
     }
 
     #[test]

@@ -8,11 +8,7 @@ use std::sync::{
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use super::{caching::CachingHeaders, probe::Probe};
-use crate::{
-    changes::FeedStatus,
-    read_path::ReadPath,
-    store::{PastReads, PostStore},
-};
+use crate::{changes::FeedStatus, read_path::ReadPath, store::PostStore};
 
 /// What every handler can reach; cloned per request (one reference count).
 #[derive(Clone)]
@@ -46,12 +42,6 @@ pub struct Shared {
     pub caching: CachingHeaders,
     /// DATABASE_REPLICA_URLS (for `/readyz`).
     pub replicas: Option<Arc<crate::store::Replicas>>,
-    /// What reads that ask for a position or a staleness the cache cannot
-    /// vouch for run on PostgreSQL, on a pool of their own (see
-    /// `position.rs` and `store/past.rs`).
-    pub past: Arc<PastReads>,
-    /// MIN_LSN_WAIT.
-    pub min_lsn_wait: std::time::Duration,
     /// Set at the shutdown signal: `/readyz` then answers 503 while reads
     /// are still served for SHUTDOWN_DELAY (see [`Shared::drain`]).
     pub draining: AtomicBool,

@@ -31,10 +31,18 @@
 //! Every Redis failure fails open: the flight loads straight from the source
 //! (`Bypass`), still one load per key per process at a time.
 //!
+//! A read that asks for a position or a staleness bound (read your
+//! writes) is routed in `asked.rs`, behind the same door
+//! ([`ReadPath::serve`]): the cache, the cache once the change feed has
+//! passed the position, or a read past the cache, never stored, and never
+//! older than what this process served (floor.rs).
+//!
 //! `ReadPath` is the front door and the only type of this file; every
 //! other file is one role or one concept, and none of them sees the read
 //! path: each is handed the `Context` it needs (`context.rs`). The files:
-//! `answer.rs` (what a read answers), `freshness.rs` (pure verdicts and the
+//! `answer.rs` (what a read answers), `asked.rs` (reads that ask for a
+//! position: where they are answered from, the feed's position and
+//! PostgreSQL's word they need), `freshness.rs` (pure verdicts and the
 //! store policy), `local.rs` (in-process flights), `waiter.rs` (a flight's
 //! fleet-wide coordination, driving `machine.rs`, one flight's state
 //! machine with pure transitions, and [`WaitEnd`], how a wait ends),
@@ -58,6 +66,7 @@
 
 mod answer;
 pub mod apply;
+mod asked;
 mod batch;
 mod context;
 pub mod existence;
@@ -86,12 +95,15 @@ use std::{
         atomic::{AtomicUsize, Ordering},
         Arc,
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use futures::future::join_all;
 
 pub use answer::{Answer, ReadError, Served};
+pub use asked::{
+    FeedPosition, NoPosition, PastFailure, Primary, ReadPast, Refused, Wanted, PRIMARY_WAIT,
+};
 pub use machine::WaitEnd;
 pub use progress::LoadProgress;
 pub use settings::{fence_ttl, Settings, Strategy, Wake};
@@ -100,6 +112,7 @@ pub use settings::{Hook, Hooks};
 pub use source::{Busy, LoadError, Loaded, LoadedMany, Since, Source};
 
 use answer::Outcome;
+use asked::{Asks, Route};
 use context::Context;
 use first_look::Won;
 use freshness::{judge, Verdict};
@@ -140,9 +153,11 @@ struct LookOutcome<S: Source> {
     won: Option<Box<Won<S>>>,
 }
 
-/// The read path of one process: its front door is [`ReadPath::read`]
-/// (and [`ReadPath::read_many`], [`ReadPath::memory_hit`]); the changes the
-/// feed applies come in through [`ReadPath::invalidate`] and its siblings.
+/// The read path of one process: its one door is [`ReadPath::serve`] (and
+/// [`ReadPath::memory_hit`], a fresh copy of the memory tier answered
+/// before anything else), which decides where each read is answered from;
+/// the changes the feed applies come in through [`ReadPath::invalidate`]
+/// and its siblings.
 /// Its roles are handed its `Context` (context.rs), never the read path
 /// itself.
 pub struct ReadPath<S: Source> {
@@ -160,6 +175,54 @@ pub struct ReadPath<S: Source> {
     existence: existence::ExistenceSet,
     /// Keys seen stored in Redis lately: looked up, not claimed (warm.rs).
     warm: warm::Warm,
+    /// What reads that ask for a position need (asked.rs).
+    asks: Asks<S::Key>,
+}
+
+/// The keys a read asks for: one (a single read: its first look claims
+/// the key), or many at once (a batch read: one look per Redis node).
+#[derive(Debug, Clone)]
+pub enum Items<K> {
+    One(K),
+    Many(Vec<K>),
+}
+
+impl<K> Items<K> {
+    fn into_keys(self) -> Vec<K> {
+        match self {
+            Items::One(key) => vec![key],
+            Items::Many(keys) => keys,
+        }
+    }
+}
+
+/// A read, as it enters [`ReadPath::serve`].
+#[derive(Debug, Clone)]
+pub struct Request<K> {
+    pub items: Items<K>,
+    /// What it asks for beside the keys (`None`: an ordinary read).
+    pub wanted: Option<Wanted>,
+    /// When it arrived.
+    pub started: Instant,
+}
+
+/// What a read answers.
+#[derive(Debug)]
+pub struct Reply {
+    /// An answer per key, in the order asked.
+    pub answers: Vec<Result<Answer, ReadError>>,
+    /// The WAL position every answer is known fresh at (every commit up to
+    /// it reflected), while this process knows one.
+    pub at: Option<u64>,
+    /// Read past the cache, for what the read asked.
+    pub past: bool,
+}
+
+/// Whether one of `answers` is served stale.
+fn any_stale(answers: &[Result<Answer, ReadError>]) -> bool {
+    answers
+        .iter()
+        .any(|answer| answer.as_ref().is_ok_and(|a| a.served == Served::Stale))
 }
 
 /// Counts a read as in progress until dropped (answered or cancelled).
@@ -181,12 +244,16 @@ impl Drop for InProgress<'_> {
 }
 
 impl<S: Source> ReadPath<S> {
+    /// The read path over `source`; `feed` and `primary` answer the reads
+    /// that ask for a position (asked.rs).
     pub fn new(
         source: S,
         keys: Keys,
         redis: RedisCommands,
         subscriber: Arc<Subscriber>,
         settings: Settings,
+        feed: Arc<dyn FeedPosition>,
+        primary: Arc<dyn Primary<S::Key>>,
     ) -> Arc<Self> {
         panics::install_hook();
         // What entries loaded here count their loads' start from.
@@ -198,7 +265,13 @@ impl<S: Source> ReadPath<S> {
         ));
         let refreshes = Arc::new(Refreshes::default());
         let lab = Lab::new(ctx.settings.strategy, &ctx, &refreshes).map(Arc::new);
+        let asks = Asks {
+            feed,
+            primary,
+            wait: ctx.settings.min_lsn_wait,
+        };
         Arc::new(Self {
+            asks,
             flights: LocalFlights::new(ctx.tasks.clone()),
             lab,
             ctx,
@@ -306,8 +379,126 @@ impl<S: Source> ReadPath<S> {
             .is_ok()
     }
 
-    /// Reads one item through the cache: the front door. The product's
-    /// read, or the load lab's reader for a baseline (chosen at startup).
+    /// The front door: every read, plain or asking for a position, of one
+    /// key or many, enters here once, and where it is answered from is
+    /// decided here, once (asked.rs): the cache, the cache after a wait for
+    /// the change feed, or past the cache. Refused for a position in the
+    /// future, or when PostgreSQL's word was needed and not given.
+    pub async fn serve(self: &Arc<Self>, request: Request<S::Key>) -> Result<Reply, Refused> {
+        match request.wanted {
+            None => Ok(self.from_cache(request.items, request.started).await),
+            // Boxed: most reads ask for nothing, and their futures do not
+            // grow by it.
+            Some(wanted) => Box::pin(self.serve_wanted(request.items, wanted)).await,
+        }
+    }
+
+    /// A read from the cache, with the position its answers are known
+    /// fresh at: the feed's when the read began (every change up to it is
+    /// in the cache), unless one is served stale (the fail-safe copy of a
+    /// failed load may be the version before a change).
+    async fn from_cache(self: &Arc<Self>, items: Items<S::Key>, started: Instant) -> Reply {
+        let at = self.asks.feed.position_at(started);
+        let answers = match items {
+            Items::One(key) => vec![self.read(key).await],
+            Items::Many(keys) => self.read_many(keys).await,
+        };
+        Reply {
+            at: at.filter(|_| !any_stale(&answers)),
+            answers,
+            past: false,
+        }
+    }
+
+    /// A read that asked for `wanted`: from the cache once it is known
+    /// fresh enough, else past it.
+    async fn serve_wanted(
+        self: &Arc<Self>,
+        items: Items<S::Key>,
+        wanted: Wanted,
+    ) -> Result<Reply, Refused> {
+        if let Route::Cache { at, waited } = self.asks.route(wanted).await? {
+            let reply = self.from_cache(items.clone(), Instant::now()).await;
+            // A stale copy is no answer to a position.
+            if !any_stale(&reply.answers) {
+                metrics::position_read(if waited { "wait" } else { "cache" });
+                return Ok(Reply {
+                    at: Some(at),
+                    ..reply
+                });
+            }
+        }
+        self.read_past(items.into_keys(), wanted).await
+    }
+
+    /// Reads `keys` past the cache, at a position at least the one
+    /// `wanted` names and no older than what this process served of them
+    /// (floor.rs): an answer per key, in order (served as a bypass, stored
+    /// nowhere), and a position they reflect every commit up to, if one is
+    /// known.
+    ///
+    /// From a replica, that is the position it had replayed before it read
+    /// (a standby shows commits in the order they were replayed). The
+    /// primary shows a commit a moment after its record is written (longer
+    /// while a synchronous standby holds it), so its WAL position may name
+    /// a commit its rows do not have yet: the answer says the position this
+    /// process's change feed had reached before the read (the decoder
+    /// applies a commit only once it is visible), or none.
+    async fn read_past(&self, keys: Vec<S::Key>, wanted: Wanted) -> Result<Reply, Refused> {
+        let started = Instant::now();
+        let visible = self.asks.feed.position_at(started);
+        let min = wanted.min_lsn.unwrap_or(0);
+        let floor = keys
+            .iter()
+            .map(|key| self.ctx.floors.upto(key))
+            .max()
+            .unwrap_or(0);
+        let at_least = Some(min.max(floor)).filter(|&at| at > 0);
+        let read = self.asks.primary.read_at_least(&keys, at_least).await?;
+        if read.position < min {
+            return Err(Refused::Future { asked: min });
+        }
+        metrics::position_read(if read.replica { "replica" } else { "primary" });
+        let took = started.elapsed();
+        let answers: Vec<_> = keys
+            .iter()
+            .map(|key| {
+                let (status, body) = match read.found.iter().find(|(found, _)| found == key) {
+                    Some((_, body)) => (crate::cache::Status::Found, &body[..]),
+                    None => (crate::cache::Status::NotFound, &b""[..]),
+                };
+                let entry = crate::cache::Entry::from_load(
+                    status,
+                    body,
+                    Duration::ZERO,
+                    took,
+                    started,
+                    read.upto,
+                );
+                Answer::new(entry, Served::Bypass)
+            })
+            .collect();
+        // What this process serves of them from now on is no older.
+        for (key, answer) in keys.iter().zip(&answers) {
+            if let Ok(answer) = answer {
+                self.served_past(key, answer);
+            }
+        }
+        let at = if read.replica {
+            Some(read.position)
+        } else {
+            visible
+        };
+        Ok(Reply {
+            answers,
+            at,
+            past: true,
+        })
+    }
+
+    /// Reads one item through the cache (see [`ReadPath::serve`], the
+    /// door). The product's read, or the load lab's reader for a baseline
+    /// (chosen at startup).
     pub async fn read(self: &Arc<Self>, key: S::Key) -> Result<Answer, ReadError> {
         let _in_progress = InProgress::enter(&self.reads_in_progress);
         match &self.lab {
@@ -397,7 +588,7 @@ impl<S: Source> ReadPath<S> {
     /// `answer` was served for `key` past the cache (a read that asked for
     /// a position or a staleness bound): nothing older is served here from
     /// now on.
-    pub fn served_past(&self, key: &S::Key, answer: &Answer) {
+    fn served_past(&self, key: &S::Key, answer: &Answer) {
         if self.ctx.floors.raise(key, answer.entry(), true) {
             self.ctx.memory.keep_only(key, answer.entry().etag());
         }
@@ -410,12 +601,6 @@ impl<S: Source> ReadPath<S> {
     /// what this process loads from now on (see floor.rs, `pin`).
     pub fn pin_changed(&self, key: &S::Key, change: u64) {
         self.ctx.floors.pin(key, change);
-    }
-
-    /// The WAL position a read of `key` past the cache must read at least,
-    /// so as to be no older than what this process served (0: none).
-    pub fn floor_of(&self, key: &S::Key) -> u64 {
-        self.ctx.floors.upto(key)
     }
 
     // Changes applied (apply.rs): what the change feed and `invalidate` call.
@@ -813,12 +998,22 @@ impl<S: Source> ReadPath<S> {
     /// A fresh answer from the memory tier, without awaiting anything: the
     /// HTTP layer answers it before routing. `None` for anything else (the
     /// full read then runs as usual).
-    pub fn memory_hit(self: &Arc<Self>, key: &S::Key, now: u64) -> Option<Answer> {
+    ///
+    /// With the position it is known fresh at (`PostCache-LSN`): the feed's
+    /// at `started`, read before the tier (every change up to it was
+    /// applied there).
+    pub fn memory_hit(
+        self: &Arc<Self>,
+        key: &S::Key,
+        started: Instant,
+        now: u64,
+    ) -> Option<(Answer, Option<u64>)> {
         // Off (0 bytes) for the strategies that bypass it.
         if !self.ctx.memory.is_on() {
             return None;
         }
-        self.from_memory(key, now)?.ok()
+        let at = self.asks.feed.position_at(started);
+        Some((self.from_memory(key, now)?.ok()?, at))
     }
 
     /// A fresh entry of the memory tier (an early refresh started as for a

@@ -60,6 +60,9 @@ pub struct Settings {
     /// The memory tier's byte budget (0 = off) and L1_TTL.
     pub memory_bytes: u64,
     pub memory_ttl: Duration,
+    /// Longest a read that asks for a position waits for the change feed
+    /// to pass it before it is read past the cache (asked.rs).
+    pub min_lsn_wait: Duration,
     /// Observation points for tests and benchmarks.
     #[cfg(feature = "testkit")]
     pub hooks: Hooks,

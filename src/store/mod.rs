@@ -13,7 +13,7 @@ mod replica_floor;
 mod replicas;
 mod wal;
 
-pub use past::{PastFailure, PastReads, PAST_ACQUIRE_TIMEOUT};
+pub use past::{PastReads, PAST_ACQUIRE_TIMEOUT};
 pub use pools::{
     connect, connect_feed, connect_past, connect_probe, connect_replica, ensure_database, migrate,
     socket_options, MIGRATOR, PING_IDLE_AFTER,

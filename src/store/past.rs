@@ -33,24 +33,18 @@ use std::{
 
 use sqlx::PgPool;
 
+use futures::future::BoxFuture;
+
 use super::{posts::ReadAt, replicas::Replicas, wal::wal_position, PostStore};
-use crate::telemetry::metrics;
+use crate::{
+    read_path::{PastFailure, Primary, ReadPast},
+    telemetry::metrics,
+};
 
 /// Longest a read waits for one of the pool's connections before it is
 /// shed (or, when the pool could not connect, fails): at most
 /// DB_ACQUIRE_TIMEOUT.
 pub const PAST_ACQUIRE_TIMEOUT: Duration = Duration::from_millis(250);
-
-/// Why PostgreSQL gave no word.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum PastFailure {
-    /// Every connection of the pool was taken (shed: 503, `Retry-After`).
-    #[error("every connection for reads past the cache is taken")]
-    Full,
-    /// PostgreSQL did not answer.
-    #[error("PostgreSQL did not answer")]
-    Failed,
-}
 
 /// The last round's result, by round number.
 type Round = Option<(u64, Result<u64, PastFailure>)>;
@@ -182,5 +176,48 @@ impl PastReads {
     /// Closes the pool (at shutdown).
     pub async fn close(&self) {
         self.pool.close().await;
+    }
+}
+
+/// The read path's word from PostgreSQL (see `read_path/asked.rs`): posts
+/// read past the cache as their JSON bodies, as loads read them.
+impl Primary<i64> for PastReads {
+    fn primary_position(&self) -> BoxFuture<'_, Result<u64, PastFailure>> {
+        Box::pin(PastReads::primary_position(self))
+    }
+
+    fn known_primary(&self) -> u64 {
+        PastReads::known_primary(self)
+    }
+
+    fn saw(&self, at: u64) {
+        PastReads::saw(self, at);
+    }
+
+    fn read_at_least<'a>(
+        &'a self,
+        keys: &'a [i64],
+        min: Option<u64>,
+    ) -> BoxFuture<'a, Result<ReadPast<i64>, PastFailure>> {
+        Box::pin(async move {
+            let read = PastReads::read_at_least(self, keys, min).await?;
+            let found = read
+                .posts
+                .iter()
+                .map(|post| match serde_json::to_vec(post) {
+                    Ok(body) => Ok((post.id, body.into())),
+                    Err(error) => {
+                        tracing::warn!(%error, id = post.id, "a post read past the cache does not encode");
+                        Err(PastFailure::Failed)
+                    }
+                })
+                .collect::<Result<_, _>>()?;
+            Ok(ReadPast {
+                found,
+                position: read.position,
+                upto: read.upto,
+                replica: read.replica,
+            })
+        })
     }
 }

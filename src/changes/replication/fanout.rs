@@ -428,6 +428,22 @@ impl Beats {
     }
 }
 
+/// The feed's position as the read path asks it (see
+/// `read_path/asked.rs`).
+impl crate::read_path::FeedPosition for Beats {
+    fn position_at(&self, now: Instant) -> Option<u64> {
+        Beats::position_at(self, now)
+    }
+
+    fn staleness(&self) -> Option<Duration> {
+        Beats::staleness(self)
+    }
+
+    fn reached(&self, lsn: u64, limit: Duration) -> futures::future::BoxFuture<'_, bool> {
+        Box::pin(Beats::reached(self, lsn, limit))
+    }
+}
+
 /// Reads the stream for one instance until aborted; `connected` says
 /// whether a read has succeeded since it started.
 pub(in crate::changes) struct Reader {
