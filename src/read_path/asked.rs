@@ -447,8 +447,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_bound_the_beats_do_not_meet_waits_for_the_primarys_position_at_least_primary_wait(
-    ) {
+    async fn an_unmet_bound_waits_for_the_primarys_position_for_primary_wait_at_least() {
         // The beats are 40 ms old: a bound of 0 is not met. The primary is
         // at 1000; the feed passes it 250 ms later, within PRIMARY_WAIT
         // (longer than the 100 ms MIN_LSN_WAIT).
