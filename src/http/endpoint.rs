@@ -127,7 +127,9 @@ impl Endpoint {
         let validators = handlers::IfNoneMatch::from_headers(request.headers()).detached();
         drop(request);
         let state = self.state.clone();
-        Box::pin(async move { handlers::read_post(&state, id, validators, Some(wanted)).await })
+        Box::pin(async move {
+            handlers::read_post(&state, id, validators, Some(Box::new(wanted))).await
+        })
     }
 }
 

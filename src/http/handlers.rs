@@ -154,25 +154,27 @@ pub async fn get_post(
 ) -> Result<Response, ApiError> {
     let Path(segment) = path.map_err(|_| ApiError::InvalidPath)?;
     let id = PostId::parse(&segment)?;
-    let wanted = position::wanted(&headers)?;
+    let wanted = position::wanted(&headers)?.map(Box::new);
     Ok(read_post(&state, id, validators, wanted).await)
 }
 
 /// Reads post `id` through the read path's one door (`ReadPath::serve`,
 /// which decides where a read that asked for `wanted` is answered from),
 /// and answers it, or its error. Its span is at debug level: one per
-/// request costs the hit path more than the rest of it.
+/// request costs the hit path more than the rest of it. (`wanted` is
+/// boxed: the span's future keeps every argument for the whole read, and
+/// most reads ask for nothing.)
 #[tracing::instrument(name = "get_post", level = "debug", skip_all, fields(id = id.get(), outcome, role, load_ms))]
 pub async fn read_post(
     state: &AppState,
     id: PostId,
     validators: IfNoneMatch,
-    wanted: Option<Wanted>,
+    wanted: Option<Box<Wanted>>,
 ) -> Response {
     let started = Instant::now();
     let request = read_path::Request {
         items: Items::One(id.get()),
-        wanted,
+        wanted: wanted.map(|wanted| *wanted),
         started,
     };
     let reply = state.read_path.serve(request).await;

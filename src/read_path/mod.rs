@@ -98,7 +98,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::future::join_all;
+use futures::{
+    future::{join_all, Either},
+    FutureExt,
+};
 
 pub use answer::{Answer, ReadError, Served};
 pub use asked::{
@@ -216,6 +219,19 @@ pub struct Reply {
     pub at: Option<u64>,
     /// Read past the cache, for what the read asked.
     pub past: bool,
+}
+
+impl Reply {
+    /// Answers from the cache, read from position `at` on: it says no
+    /// position when one is served stale (the fail-safe copy of a failed
+    /// load may be the version before a change).
+    fn from_cache(answers: Vec<Result<Answer, ReadError>>, at: Option<u64>) -> Self {
+        Self {
+            at: at.filter(|_| !any_stale(&answers)),
+            answers,
+            past: false,
+        }
+    }
 }
 
 /// Whether one of `answers` is served stale.
@@ -384,30 +400,60 @@ impl<S: Source> ReadPath<S> {
     /// decided here, once (asked.rs): the cache, the cache after a wait for
     /// the change feed, or past the cache. Refused for a position in the
     /// future, or when PostgreSQL's word was needed and not given.
-    pub async fn serve(self: &Arc<Self>, request: Request<S::Key>) -> Result<Reply, Refused> {
-        match request.wanted {
-            None => Ok(self.from_cache(request.items, request.started).await),
-            // Boxed: most reads ask for nothing, and their futures do not
-            // grow by it.
-            Some(wanted) => Box::pin(self.serve_wanted(request.items, wanted)).await,
+    ///
+    /// The common read (one key, asking for nothing) is not boxed, and its
+    /// future holds no more than the read's and the position it began at:
+    /// every waiting request keeps it for the whole wait (see
+    /// `http/server`'s `a_request_future_stays_small`). The others are.
+    pub fn serve<'a>(
+        self: &'a Arc<Self>,
+        request: Request<S::Key>,
+    ) -> impl Future<Output = Result<Reply, Refused>> + Send + 'a {
+        let Request {
+            items,
+            wanted,
+            started,
+        } = request;
+        match (items, wanted) {
+            (Items::One(key), None) => {
+                // Read before the read: every change up to it is in the
+                // cache. Kept as a plain number (0: none; no position is
+                // 0), which every waiting request holds.
+                let at = self.asks.feed.position_at(started).unwrap_or(0);
+                Either::Left(self.read(key).map(move |answer| {
+                    Ok(Reply::from_cache(
+                        vec![answer],
+                        Some(at).filter(|&at| at > 0),
+                    ))
+                }))
+            }
+            (items, wanted) => Either::Right(Box::pin(self.serve_rest(items, wanted, started))),
+        }
+    }
+
+    /// [`ReadPath::serve`] for a batch, or a read that asked for something.
+    async fn serve_rest(
+        self: &Arc<Self>,
+        items: Items<S::Key>,
+        wanted: Option<Wanted>,
+        started: Instant,
+    ) -> Result<Reply, Refused> {
+        match wanted {
+            None => Ok(self.from_cache(items, started).await),
+            Some(wanted) => self.serve_wanted(items, wanted).await,
         }
     }
 
     /// A read from the cache, with the position its answers are known
     /// fresh at: the feed's when the read began (every change up to it is
-    /// in the cache), unless one is served stale (the fail-safe copy of a
-    /// failed load may be the version before a change).
+    /// in the cache).
     async fn from_cache(self: &Arc<Self>, items: Items<S::Key>, started: Instant) -> Reply {
         let at = self.asks.feed.position_at(started);
         let answers = match items {
             Items::One(key) => vec![self.read(key).await],
             Items::Many(keys) => self.read_many(keys).await,
         };
-        Reply {
-            at: at.filter(|_| !any_stale(&answers)),
-            answers,
-            past: false,
-        }
+        Reply::from_cache(answers, at)
     }
 
     /// A read that asked for `wanted`: from the cache once it is known
