@@ -544,3 +544,30 @@ async fn healthcheck_exits_0_while_the_instance_answers_and_1_where_nothing_does
     assert!(said.contains("cannot connect"), "{said}");
     assert!(took < Duration::from_secs(5), "took {took:?}");
 }
+
+/// A fleet's first start, on a database and key prefix of its own, in
+/// replication mode: nothing is wrong, and nothing is logged as if it were
+/// (before: an ERROR that the slot did not exist, a WARN that the change
+/// stream was unreadable, a WARN that every post read before was stale).
+/// The slot is made before the first session, at info level.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_start_logs_no_error_and_no_warning() {
+    let env = TestEnv::new(3).await;
+    let service = env
+        .start_process(&[("CHANGE_FEED", "replication".into())])
+        .await;
+    crate::support::until_feed(&service.http, "up").await;
+    for id in 1..=3 {
+        assert_eq!(service.http.get(&format!("/posts/{id}")).await.status, 200);
+    }
+    let logs = service.logs();
+    let alarming: Vec<&str> = logs
+        .lines()
+        .filter(|line| line.contains(" WARN ") || line.contains(" ERROR "))
+        .collect();
+    assert!(alarming.is_empty(), "{}", alarming.join("\n"));
+    assert!(
+        logs.contains("the fleet's first slot is made"),
+        "the first slot is said at info level: {logs}"
+    );
+}

@@ -460,6 +460,10 @@ impl Reader {
     pub async fn run(self) {
         let mut last: Option<String> = None;
         let mut backoff = RETRY_FIRST;
+        // Its connection is made as the feed starts: a first read sent
+        // before it is up would fail (reads are never sent twice).
+        let limit = BLOCK + self.timeout;
+        let _ = tokio::time::timeout(limit, self.client.wait_for_connect()).await;
         loop {
             match self.follow(&mut last, &mut backoff).await {
                 Ok(never) => match never {},

@@ -90,10 +90,44 @@ pub fn slot_name(database: &str, key_prefix: &str) -> String {
     format!("postcache_{readable}_{hash:016x}")
 }
 
+/// Warns of the other fleets' postcache slots on this database that no
+/// decoder reads (KEY_PREFIXes retired, or their fleets stopped): each
+/// holds WAL nobody confirms, until PostgreSQL invalidates it or the disk
+/// fills. Said once, at start; `postcache slot drop NAME` drops one.
+pub(super) async fn warn_of_idle_slots(pool: &sqlx::PgPool, ours: &str) {
+    let idle = sqlx::query_as::<_, (String, Option<i64>)>(
+        "select slot_name::text,
+                pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint
+         from pg_replication_slots
+         where slot_name like 'postcache\\_%' and slot_name <> $1
+           and database = current_database() and not active
+         order by slot_name",
+    )
+    .bind(ours)
+    .fetch_all(pool)
+    .await;
+    match idle {
+        Ok(idle) => {
+            for (slot, held) in idle {
+                tracing::warn!(
+                    slot,
+                    held_bytes = held,
+                    "another KEY_PREFIX's replication slot on this database is read by no decoder and holds WAL; if its fleet is retired, drop it: postcache slot drop {slot}"
+                );
+            }
+        }
+        Err(error) => tracing::debug!(%error, "could not look for other fleets' slots"),
+    }
+}
+
 /// Why the fleet lost track of changes (the `why` of the gap metric).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GapWhy {
-    /// No slot (first start, or dropped by hand).
+    /// No slot, and the fleet never decoded (its change stream is empty):
+    /// its first start. A gap all the same (what was cached under the key
+    /// prefix before is of no feed), said at info level.
+    FirstSlot,
+    /// No slot (dropped by hand, or lost with Redis' stream).
     SlotMissing,
     /// The slot lost WAL past `max_slot_wal_keep_size`.
     SlotInvalidated,
@@ -102,6 +136,7 @@ enum GapWhy {
 impl GapWhy {
     fn as_str(self) -> &'static str {
         match self {
+            Self::FirstSlot => "first_slot",
             Self::SlotMissing => "slot_missing",
             Self::SlotInvalidated => "slot_invalidated",
         }
@@ -111,6 +146,8 @@ impl GapWhy {
     fn parse(s: &str) -> Self {
         if s == Self::SlotInvalidated.as_str() {
             Self::SlotInvalidated
+        } else if s == Self::FirstSlot.as_str() {
+            Self::FirstSlot
         } else {
             Self::SlotMissing
         }
@@ -153,6 +190,8 @@ impl Candidate {
         // When this instance last decoded: the beats are its own for
         // BEAT_STALE after that.
         let mut held: Option<Instant> = None;
+        warn_of_idle_slots(&self.pool, &self.slot).await;
+        self.make_slot_if_missing().await;
         loop {
             // Stand by while another instance's beats come; not this one's
             // own: an instance that lost the slot (its connection cut,
@@ -346,13 +385,62 @@ impl Candidate {
         let cutoff = self.all_posts(None, floor).await?;
         redis.close_gap(&key).await?;
         metrics::feed_gap(why.as_str());
-        tracing::warn!(
-            why = why.as_str(),
-            cutoff,
-            slot = self.slot,
-            "change feed gap: the slot was made again; every post read before now is stale fleet-wide"
-        );
+        if why == GapWhy::FirstSlot {
+            tracing::info!(
+                why = why.as_str(),
+                cutoff,
+                slot = self.slot,
+                "change feed: the fleet's first slot is made; it holds every change from now on"
+            );
+        } else {
+            tracing::warn!(
+                why = why.as_str(),
+                cutoff,
+                slot = self.slot,
+                "change feed gap: the slot was made again; every post read before now is stale fleet-wide"
+            );
+        }
         Ok(())
+    }
+
+    /// Makes the slot before the first session asks for it, when there is
+    /// none: a fleet's first start is then no error (the replication
+    /// client logs a session refused for want of its slot as one). The gap
+    /// is marked first, as for a slot found missing (see `run`); the
+    /// fleet's first slot when its change stream is empty. A slot that
+    /// cannot be looked for is left to the sessions.
+    async fn make_slot_if_missing(&self) {
+        let exists = sqlx::query_scalar::<_, bool>(
+            "select exists (select 1 from pg_replication_slots where slot_name = $1)",
+        )
+        .bind(&self.slot)
+        .fetch_one(&self.pool)
+        .await;
+        if !matches!(exists, Ok(false)) {
+            return;
+        }
+        let why = match self
+            .read_path
+            .redis()
+            .stream_tail(&self.stream_key, 1)
+            .await
+        {
+            Ok(tail) if tail.is_empty() => GapWhy::FirstSlot,
+            _ => GapWhy::SlotMissing,
+        };
+        if let Err(error) = self.mark_gap(why).await {
+            tracing::debug!(
+                error = format!("{error:#}"),
+                "could not mark the first slot's gap in Redis; left to the sessions"
+            );
+            return;
+        }
+        if let Err(error) = self.make_slot().await {
+            tracing::debug!(
+                error = format!("{error:#}"),
+                "could not make the slot; left to the sessions"
+            );
+        }
     }
 
     /// Where a new session starts: past everything the fleet's stream says
