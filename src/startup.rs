@@ -190,10 +190,14 @@ impl Application {
             AbortOnDropHandle::new(tokio::spawn(keep_replicas(replicas.clone(), feed.status())))
         });
         let caching = http::CachingHeaders::new(read_path.settings().stale_while_revalidate);
-        let probe = http::Probe::new(
-            store::connect_probe(&args.database, http::PROBE_TIMEOUT)?,
-            read_path.redis().clone(),
-        );
+        let probe_pool = store::connect_probe(&args.database, http::PROBE_TIMEOUT)?;
+        let probe = http::Probe::new(probe_pool.clone(), read_path.redis().clone());
+        let mut pools = vec![
+            ("loads", pool.clone()),
+            ("past", past.pool().clone()),
+            ("probe", probe_pool),
+        ];
+        pools.extend(feed.pool().map(|pool| ("feed", pool.clone())));
         let state = AppState::new(http::Shared {
             read_path,
             db: pool,
@@ -202,6 +206,7 @@ impl Application {
             feed: feed.status(),
             caching,
             replicas: replicas.clone(),
+            pools,
             draining: Default::default(),
         });
         let limits = Limits {

@@ -78,7 +78,54 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     );
     assert_eq!(d(r#"postcache_http_errors_total{status="504"}"#), 0.0);
     assert_eq!(get(&after, "postcache_flights_in_progress"), 0.0);
+    // What operators expect beside: the build, Redis' latency (every
+    // command the stampede sent timed), the pools, and the process.
+    assert_eq!(
+        get(
+            &after,
+            &format!(
+                r#"postcache_build_info{{version="{}"}}"#,
+                env!("CARGO_PKG_VERSION")
+            )
+        ),
+        1.0
+    );
+    assert!(d("postcache_redis_command_duration_seconds_count") >= 2.0);
+    assert_eq!(
+        d(r#"postcache_db_pool_wait_seconds_count{pool="loads"}"#),
+        1.0,
+        "the one load statement waited for its connection once"
+    );
+    for pool in ["loads", "past", "probe"] {
+        let open = get(
+            &after,
+            &format!(r#"postcache_db_pool_connections{{pool="{pool}",state="idle"}}"#),
+        ) + get(
+            &after,
+            &format!(r#"postcache_db_pool_connections{{pool="{pool}",state="busy"}}"#),
+        );
+        let max = get(
+            &after,
+            &format!(r#"postcache_db_pool_max_connections{{pool="{pool}"}}"#),
+        );
+        assert!(max >= 1.0 && open <= max, "{pool}: {open} of {max}");
+    }
+    assert!(get(&after, "process_open_fds") > 0.0);
+    assert!(get(&after, "process_max_fds") >= get(&after, "process_open_fds"));
+    assert!(get(&after, "process_resident_memory_bytes") > 0.0);
+    assert!(get(&after, "process_cpu_seconds_total") > 0.0);
     promtool_accepts(&text);
+
+    // A batch read, counted with its ids and timed.
+    let (_, before_batch) = scrape(&apps[1]).await;
+    assert_eq!(apps[1].get("/posts?ids=1,2,3").await.status, 200);
+    assert_eq!(apps[1].get("/posts?ids=1,x").await.status, 400);
+    let (_, after_batch) = scrape(&apps[1]).await;
+    let b = |s: &str| delta(&before_batch, &after_batch, s);
+    assert_eq!(b(r#"postcache_batch_reads_total{outcome="ok"}"#), 1.0);
+    assert_eq!(b(r#"postcache_batch_reads_total{outcome="error"}"#), 1.0);
+    assert_eq!(b("postcache_batch_read_ids_total"), 3.0);
+    assert_eq!(b("postcache_batch_read_duration_seconds_count"), 2.0);
 
     // The stampede's answer is kept in memory: the next read is a memory hit.
     let reply = apps[0].get("/posts/7").await;
@@ -136,6 +183,15 @@ async fn a_stampede_and_a_fail_open_episode_move_the_counters_exactly() {
     }
     let (_, opened) = scrape(&stalling).await;
     let mut states = vec![get(&opened, "postcache_redis_breaker_state")];
+    // Each node's breaker, by its address.
+    let node = opened
+        .iter()
+        .find(|(series, _)| {
+            series.starts_with("postcache_redis_node_breaker_state{")
+                && series.ends_with(&format!(":{}\"}}", redis.port))
+        })
+        .map(|(_, state)| *state);
+    assert_eq!(node, Some(1.0), "the stalled node's breaker is open");
     wait_until(
         "the breaker to be half-open",
         Duration::from_secs(5),

@@ -190,6 +190,11 @@ impl Feed {
         })
     }
 
+    /// The feed's own pool (catch-ups, the slot's upkeep), when it has one.
+    pub fn pool(&self) -> Option<&PgPool> {
+        self.pool.as_ref()
+    }
+
     pub fn status(&self) -> FeedStatus {
         self.status.clone()
     }

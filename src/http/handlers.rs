@@ -24,7 +24,9 @@ use crate::{
     telemetry::metrics,
 };
 
-/// RFC 7234 warning codes, kept as the marker of stale answers.
+/// RFC 7234 warning codes, kept as the marker of stale answers for the
+/// clients that read them (RFC 9111 obsoletes `Warning`; `Cache-Status`
+/// says the same in its words).
 pub const WARNING_STALE: &str = "110 - \"Response is Stale\"";
 pub const WARNING_REVALIDATION_FAILED: &str = "111 - \"Revalidation Failed\"";
 
@@ -534,6 +536,14 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 )]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     state.read_path.redis().report_breakers();
+    for (name, pool) in &state.pools {
+        metrics::db_pool(
+            name,
+            pool.size(),
+            pool.num_idle(),
+            pool.options().get_max_connections(),
+        );
+    }
     let (serving, bytes, entries) = state.read_path.memory_usage();
     metrics::memory_tier(serving, bytes, entries);
     (

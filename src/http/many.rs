@@ -23,6 +23,7 @@ use crate::{
     cache::{now_millis, Status},
     posts::{Post, PostId},
     read_path::{Items, Reply, Request, Served},
+    telemetry::metrics,
 };
 
 /// Most ids one request may list (duplicates included).
@@ -104,6 +105,25 @@ pub async fn get_posts(
     headers: HeaderMap,
     query: Result<Query<Vec<(String, String)>>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let read = read_batch(&state, validators, headers, query).await;
+    let (outcome, ids) = match &read {
+        Ok((_, ids, false)) => ("ok", *ids),
+        Ok((_, ids, true)) => ("partial", *ids),
+        Err(_) => ("error", 0),
+    };
+    metrics::batch_read(outcome, ids, started.elapsed());
+    read.map(|(response, _, _)| response)
+}
+
+/// The response to a batch read, with the number of ids it asked and
+/// whether some were unavailable.
+async fn read_batch(
+    state: &AppState,
+    validators: IfNoneMatch,
+    headers: HeaderMap,
+    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+) -> Result<(Response, usize, bool), ApiError> {
     let wanted = position::wanted(&headers)?;
     let Query(pairs) =
         query.map_err(|_| ApiError::InvalidIds("the query string is not decodable".into()))?;
@@ -191,7 +211,7 @@ pub async fn get_posts(
     if past {
         handlers::past_headers(headers);
     }
-    Ok(response)
+    Ok((response, keys.len(), !complete))
 }
 
 #[cfg(test)]

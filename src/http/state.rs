@@ -42,6 +42,9 @@ pub struct Shared {
     pub caching: CachingHeaders,
     /// DATABASE_REPLICA_URLS (for `/readyz`).
     pub replicas: Option<Arc<crate::store::Replicas>>,
+    /// The PostgreSQL pools by name, for their metrics (loads, past,
+    /// probe, feed).
+    pub pools: Vec<(&'static str, sqlx::PgPool)>,
     /// Set at the shutdown signal: `/readyz` then answers 503 while reads
     /// are still served for SHUTDOWN_DELAY (see [`Shared::drain`]).
     pub draining: AtomicBool,

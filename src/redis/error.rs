@@ -117,7 +117,10 @@ pub async fn guarded<T>(
         metrics::redis_error("circuit_open");
         return Err(RedisError::CircuitOpen);
     };
-    match tokio::time::timeout(timeout, fut).await {
+    let started = std::time::Instant::now();
+    let answered = tokio::time::timeout(timeout, fut).await;
+    metrics::redis_latency(started.elapsed());
+    match answered {
         Ok(Ok(value)) => {
             permit.succeeded();
             Ok(value)

@@ -170,6 +170,8 @@ pub struct Nodes {
     routes: RwLock<Routes>,
     /// A re-read of the topology asked for after a MOVED is running.
     resyncing: Arc<AtomicBool>,
+    /// The nodes whose breaker the metrics reported last (see `report`).
+    reported: std::sync::Mutex<Vec<String>>,
 }
 
 #[derive(Default)]
@@ -189,6 +191,7 @@ impl Nodes {
             connect: None,
             routes: RwLock::default(),
             resyncing: Arc::default(),
+            reported: std::sync::Mutex::default(),
         }
     }
 
@@ -203,6 +206,7 @@ impl Nodes {
             connect: Some(Box::new(connect)),
             routes: RwLock::default(),
             resyncing: Arc::default(),
+            reported: std::sync::Mutex::default(),
         }
     }
 
@@ -323,9 +327,36 @@ impl Nodes {
         }
     }
 
-    /// Reports [`Nodes::state`] in the metrics.
+    /// Reports [`Nodes::state`] in the metrics, and each node's breaker by
+    /// its address (a single Redis's, or each cluster primary's once they
+    /// are known; `cluster` before). A node gone from the topology is
+    /// reported closed once, so that its last state does not stand for
+    /// ever.
     pub fn report(&self) {
         metrics::breaker_state(self.state() as u8 as f64);
+        let routes = self.routes();
+        let mut states: HashMap<String, State> = HashMap::new();
+        if routes.nodes.is_empty() {
+            let name = match self.default.client.client_config().server {
+                fred::types::config::ServerConfig::Centralized { server } => server.to_string(),
+                _ => "cluster".to_owned(),
+            };
+            states.insert(name, self.default.breaker.state());
+        } else {
+            for (server, node) in &routes.nodes {
+                states.insert(server.to_string(), node.breaker.state());
+            }
+        }
+        drop(routes);
+        let mut reported = self.reported.lock().unwrap_or_else(PoisonError::into_inner);
+        for gone in reported.iter().filter(|name| !states.contains_key(*name)) {
+            metrics::node_breaker_state(gone.clone(), State::Closed as u8 as f64);
+        }
+        reported.clear();
+        for (name, state) in states {
+            metrics::node_breaker_state(name.clone(), state as u8 as f64);
+            reported.push(name);
+        }
     }
 }
 

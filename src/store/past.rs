@@ -173,6 +173,11 @@ impl PastReads {
         }
     }
 
+    /// The pool these reads run on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
     /// Closes the pool (at shutdown).
     pub async fn close(&self) {
         self.pool.close().await;

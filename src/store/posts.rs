@@ -10,6 +10,7 @@ use super::{replica_floor::Suspects, replicas::Replicas};
 use crate::{
     posts::Post,
     read_path::{LoadProgress, Loaded, LoadedMany, Since},
+    telemetry::metrics,
 };
 
 /// Posts read past the cache at a position (see [`PostStore::read_at_least`]).
@@ -131,7 +132,12 @@ impl PostStore {
         let rows = again_if_lost(
             self.connections(),
             self.pool.options().get_acquire_timeout(),
-            || {
+            || async {
+                // Acquired here, so that the wait for a connection is
+                // measured (`postcache_db_pool_wait_seconds`).
+                let asked = std::time::Instant::now();
+                let mut connection = self.pool.acquire().await?;
+                metrics::db_pool_wait("loads", asked.elapsed());
                 sqlx::query_as::<_, Positioned>(
                     "select (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint as upto,
                         p.id, p.title, p.body, p.author, p.created_at, p.updated_at
@@ -139,7 +145,8 @@ impl PostStore {
                  left join posts p on p.id = any($1)",
                 )
                 .bind(ids)
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *connection)
+                .await
             },
         )
         .await

@@ -168,7 +168,10 @@ impl RedisCommands {
         &self,
         fut: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, RedisError> {
-        match tokio::time::timeout(self.timeout, fut).await {
+        let started = std::time::Instant::now();
+        let answered = tokio::time::timeout(self.timeout, fut).await;
+        metrics::redis_latency(started.elapsed());
+        match answered {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => {
                 metrics::redis_error(error_label(&e));

@@ -12,6 +12,7 @@ use ::metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 mod names;
+mod process;
 mod requests;
 
 use names::describe;
@@ -32,6 +33,7 @@ pub fn install() -> PrometheusHandle {
             // this handle renders nothing, which is better than failing.
             let _ = ::metrics::set_global_recorder(recorder);
             describe();
+            gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
             handle
         })
         .clone()
@@ -43,10 +45,12 @@ pub fn request(outcome: &'static str, tier: &'static str, took: Duration) {
     requests::record(outcome, tier, took);
 }
 
-/// The exposition: what the exporter holds, then the request series.
+/// The exposition: what the exporter holds, then the request series, then
+/// the process's own (CPU, memory, file descriptors: `process.rs`).
 pub fn render(handle: &PrometheusHandle) -> String {
     let mut text = handle.render();
     requests::render(&mut text);
+    process::render(&mut text);
     text
 }
 
@@ -114,8 +118,43 @@ pub fn redis_error(kind: &'static str) {
     counter!(REDIS_ERRORS, "kind" => kind).increment(1);
 }
 
+/// The worst breaker state of the Redis nodes in use: 0 closed, 1 open, 2
+/// half-open.
 pub fn breaker_state(state: f64) {
     gauge!(BREAKER_STATE).set(state);
+}
+
+/// The breaker state of Redis node `node`.
+pub fn node_breaker_state(node: String, state: f64) {
+    gauge!(NODE_BREAKER_STATE, "node" => node).set(state);
+}
+
+/// A command (or a batch, or a script) that Redis answered, or that timed
+/// out, after `took`.
+pub fn redis_latency(took: Duration) {
+    histogram!(REDIS_COMMAND_DURATION).record(took.as_secs_f64());
+}
+
+/// A batch read of `ids` ids ended with `outcome` (ok, partial, error)
+/// after `took`.
+pub fn batch_read(outcome: &'static str, ids: usize, took: Duration) {
+    counter!(BATCH_READS, "outcome" => outcome).increment(1);
+    counter!(BATCH_READ_IDS).increment(ids as u64);
+    histogram!(BATCH_READ_DURATION).record(took.as_secs_f64());
+}
+
+/// Pool `pool` has `size` connections open, `idle` of them idle, of at
+/// most `max`.
+pub fn db_pool(pool: &'static str, size: u32, idle: usize, max: u32) {
+    let idle = (idle as u32).min(size);
+    gauge!(DB_POOL_CONNECTIONS, "pool" => pool, "state" => "idle").set(f64::from(idle));
+    gauge!(DB_POOL_CONNECTIONS, "pool" => pool, "state" => "busy").set(f64::from(size - idle));
+    gauge!(DB_POOL_MAX, "pool" => pool).set(f64::from(max));
+}
+
+/// A statement waited `waited` for a connection of pool `pool`.
+pub fn db_pool_wait(pool: &'static str, waited: Duration) {
+    histogram!(DB_POOL_WAIT, "pool" => pool).record(waited.as_secs_f64());
 }
 
 pub fn subscribed_channels(delta: f64) {

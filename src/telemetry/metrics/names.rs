@@ -30,6 +30,30 @@ pub const REDIS_ERRORS: &str = "postcache_redis_errors_total";
 /// Redis circuit breaker (on a cluster, the worst of the nodes'): 0 closed,
 /// 1 open, 2 half-open; set when the metrics are rendered.
 pub const BREAKER_STATE: &str = "postcache_redis_breaker_state";
+/// Each Redis node's circuit breaker, by `node` (its address, or `cluster`
+/// for the cluster client before the nodes are known): 0 closed, 1 open, 2
+/// half-open; set when the metrics are rendered.
+pub const NODE_BREAKER_STATE: &str = "postcache_redis_node_breaker_state";
+/// Duration of the commands and scripts sent to Redis by the read path and
+/// the feed (a batch of keys counts once), seconds.
+pub const REDIS_COMMAND_DURATION: &str = "postcache_redis_command_duration_seconds";
+/// The build: `version`; always 1.
+pub const BUILD_INFO: &str = "postcache_build_info";
+/// Batch reads (`GET /posts?ids=`), by outcome: ok (every id answered),
+/// partial (some unavailable), error (a 4xx or 5xx for the whole batch).
+pub const BATCH_READS: &str = "postcache_batch_reads_total";
+/// Ids asked by batch reads (÷ batch reads: the mean batch).
+pub const BATCH_READ_IDS: &str = "postcache_batch_read_ids_total";
+/// Duration of batch reads, seconds.
+pub const BATCH_READ_DURATION: &str = "postcache_batch_read_duration_seconds";
+/// PostgreSQL connections of each pool, by `pool` (loads, past, probe,
+/// feed) and `state` (idle, busy); set when the metrics are rendered.
+pub const DB_POOL_CONNECTIONS: &str = "postcache_db_pool_connections";
+/// The most connections each pool may open, by `pool`.
+pub const DB_POOL_MAX: &str = "postcache_db_pool_max_connections";
+/// How long statements waited for a connection of their pool, by `pool`
+/// (loads, past), seconds.
+pub const DB_POOL_WAIT: &str = "postcache_db_pool_wait_seconds";
 /// Ready channels this process is subscribed to.
 pub const SUBSCRIBED_CHANNELS: &str = "postcache_subscribed_channels";
 /// In-process flights in progress.
@@ -166,6 +190,15 @@ pub const ALL: &[&str] = &[
     REDIS_CALLS,
     REDIS_ERRORS,
     BREAKER_STATE,
+    NODE_BREAKER_STATE,
+    REDIS_COMMAND_DURATION,
+    BUILD_INFO,
+    BATCH_READS,
+    BATCH_READ_IDS,
+    BATCH_READ_DURATION,
+    DB_POOL_CONNECTIONS,
+    DB_POOL_MAX,
+    DB_POOL_WAIT,
     SUBSCRIBED_CHANNELS,
     FLIGHTS,
     READS,
@@ -181,6 +214,9 @@ pub const ALL: &[&str] = &[
     GUARD_IDS,
     GUARD_BYTES,
     GUARD_BUILD,
+    MEMORY_BYTES,
+    MEMORY_ENTRIES,
+    MEMORY_SERVING,
     FENCED,
     FEED_UP,
     CHANGES_APPLIED,
@@ -388,6 +424,36 @@ pub(super) fn describe() {
     describe_counter!(
         SHED,
         "Requests answered 503 at once for want of capacity, by reason."
+    );
+    describe_histogram!(
+        REDIS_COMMAND_DURATION,
+        Unit::Seconds,
+        "Duration of the commands and scripts sent to Redis (a batch counts once)."
+    );
+    describe_gauge!(BUILD_INFO, "The build, by version; always 1.");
+    describe_gauge!(
+        NODE_BREAKER_STATE,
+        "Each Redis node's circuit breaker, by node: 0 closed, 1 open, 2 half-open."
+    );
+    describe_counter!(BATCH_READS, "Batch reads (GET /posts?ids=) by outcome.");
+    describe_counter!(BATCH_READ_IDS, "Ids asked by batch reads.");
+    describe_histogram!(
+        BATCH_READ_DURATION,
+        Unit::Seconds,
+        "Duration of batch reads."
+    );
+    describe_gauge!(
+        DB_POOL_CONNECTIONS,
+        "PostgreSQL connections of each pool, by pool and state (idle, busy)."
+    );
+    describe_gauge!(
+        DB_POOL_MAX,
+        "The most connections each PostgreSQL pool may open."
+    );
+    describe_histogram!(
+        DB_POOL_WAIT,
+        Unit::Seconds,
+        "How long statements waited for a connection of their pool."
     );
 }
 
