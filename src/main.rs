@@ -1,6 +1,6 @@
 use clap::Parser;
 use postcache::{
-    config::{Cli, Command},
+    config::{Cli, Command, SlotCommand},
     startup::{shutdown_signal, Application},
 };
 
@@ -51,6 +51,17 @@ async fn main() -> anyhow::Result<()> {
                 std::process::exit(1);
             }
         },
+        Command::Slot(SlotCommand::List(args)) => {
+            let slots = postcache::cli::slot::list(&args).await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&slots)?);
+            } else {
+                print!("{slots}");
+            }
+        }
+        Command::Slot(SlotCommand::Drop(args)) => {
+            print!("{}", postcache::cli::slot::drop(&args).await?);
+        }
         Command::Serve(args) => {
             let app = Application::build(*args).await?;
             app.run_until_stopped(shutdown_signal()).await?;

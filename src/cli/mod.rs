@@ -4,3 +4,4 @@ pub mod healthcheck;
 pub mod inspect;
 pub mod invalidate;
 pub mod seed;
+pub mod slot;

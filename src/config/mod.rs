@@ -47,6 +47,58 @@ pub enum Command {
     /// Ask a running instance's /livez (ADMIN_ADDR where set, else
     /// LISTEN_ADDR): exit 0 on a 200, 1 otherwise (a container's HEALTHCHECK).
     Healthcheck(HealthcheckArgs),
+    /// The replication slots of postcache fleets (CHANGE_FEED=replication):
+    /// list them with the WAL each holds, or drop one a retired fleet left.
+    #[command(subcommand)]
+    Slot(SlotCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SlotCommand {
+    /// Every postcache slot on the server: its database, whether a decoder
+    /// reads it, and the WAL it holds back; this fleet's (DATABASE_URL,
+    /// KEY_PREFIX) is marked.
+    List(SlotListArgs),
+    /// Drops a slot: this fleet's (DATABASE_URL, KEY_PREFIX), or the one
+    /// named. A slot a decoder reads is refused unless --force, which ends
+    /// that decoder's session first (a fleet still running makes its slot
+    /// again, as after a gap).
+    Drop(SlotDropArgs),
+}
+
+/// The fleet a slot command is about: its slot is named after the
+/// database and the key prefix.
+#[derive(Debug, Clone, Args)]
+pub struct SlotFleet {
+    #[command(flatten)]
+    pub database: DatabaseSettings,
+
+    /// The fleet's key prefix, which names its slot with the database.
+    #[arg(long, env = "KEY_PREFIX", default_value = "")]
+    pub key_prefix: String,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SlotListArgs {
+    #[command(flatten)]
+    pub fleet: SlotFleet,
+
+    /// Print JSON instead of words.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SlotDropArgs {
+    #[command(flatten)]
+    pub fleet: SlotFleet,
+
+    /// The slot to drop (a `postcache_` slot); default: this fleet's.
+    pub name: Option<String>,
+
+    /// Drop it even while a decoder reads it (its session is ended first).
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Debug, Clone, Args)]

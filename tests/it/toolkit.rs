@@ -262,3 +262,90 @@ async fn a_reseed_records_one_change_per_batch_and_the_fleet_serves_the_new_post
     assert_eq!(changes("insert").await, inserts, "no change per post");
     assert_eq!(changes("update").await, updates, "no change per post");
 }
+
+/// `postcache slot` with the fleet's settings, as an operator runs it:
+/// (whether it exited 0, stdout, stderr).
+async fn slot(env: &TestEnv, prefix: &str, args: &[&str]) -> (bool, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_postcache"))
+        .arg("slot")
+        .args(args)
+        .env("DATABASE_URL", &env.db_url)
+        .env("KEY_PREFIX", prefix)
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// This fleet's slot as `slot list --json` shows it.
+async fn listed(env: &TestEnv, prefix: &str) -> Option<serde_json::Value> {
+    let (ok, out, err) = slot(env, prefix, &["list", "--json"]).await;
+    assert!(ok, "{err}");
+    let list: serde_json::Value = serde_json::from_str(&out).unwrap();
+    list["slots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|slot| slot["this_fleet"] == true)
+        .cloned()
+}
+
+/// A fleet's slot listed with the WAL it holds, a drop refused while its
+/// decoder reads it, a fleet of another KEY_PREFIX warned at start of the
+/// slot left idle, then the slot dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retired_fleets_slot_is_listed_warned_of_and_dropped() {
+    let env = TestEnv::new(2).await;
+    let app = env.spawn(&["--change-feed", "replication"]).await;
+    crate::support::until_feed(&app.http, "up").await;
+    let read = listed(&env, &env.prefix).await.expect("the fleet's slot");
+    assert_eq!(read["active"], true, "{read}");
+    assert_eq!(read["database"], env.db_name.as_str());
+    assert!(read["retained_bytes"].as_i64().is_some(), "{read}");
+
+    let (ok, _, err) = slot(&env, &env.prefix, &["drop"]).await;
+    assert!(!ok && err.contains("read by a decoder"), "{err}");
+
+    // The fleet retired: its slot is read by nobody, and holds WAL.
+    drop(app);
+    wait_until("the slot to be let go", A_WHILE, async || {
+        listed(&env, &env.prefix)
+            .await
+            .is_some_and(|slot| slot["active"] == false)
+    })
+    .await;
+    let other = format!("{}other:", env.prefix);
+    let service = env
+        .start_process(&[
+            ("KEY_PREFIX", other.clone()),
+            ("CHANGE_FEED", "replication".into()),
+        ])
+        .await;
+    crate::support::until_feed(&service.http, "up").await;
+    let name = read["name"].as_str().unwrap();
+    assert!(
+        service
+            .logs()
+            .lines()
+            .any(|line| line.contains(" WARN ") && line.contains(name)),
+        "the idle slot is warned of: {}",
+        service.logs()
+    );
+    drop(service);
+
+    let (ok, out, err) = slot(&env, &env.prefix, &["drop"]).await;
+    assert!(ok, "{err}");
+    assert!(out.starts_with(&format!("dropped {name}")), "{out}");
+    assert!(listed(&env, &env.prefix).await.is_none());
+    let (ok, _, err) = slot(&env, &env.prefix, &["drop"]).await;
+    assert!(!ok && err.contains("no slot named"), "{err}");
+    let (ok, _, err) = slot(&env, &env.prefix, &["drop", "pg_other"]).await;
+    assert!(!ok && err.contains("not a postcache slot"), "{err}");
+    // The other fleet's slot goes with the database.
+    let (ok, out, _) = slot(&env, &other, &["list"]).await;
+    assert!(ok && out.contains("(this fleet)"), "{out}");
+}
