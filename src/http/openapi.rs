@@ -236,7 +236,8 @@ fn cache_headers() -> Vec<(&'static str, Header)> {
                 ])
                 .into(),
                 "On stale answers only: 110 while it refreshes, 111 when its loads are failing \
-                 (a fail-safe copy).",
+                 (a fail-safe copy). Obsoleted by RFC 9111 (5.5) and kept for the clients that \
+                 read it; Cache-Status says the same in the current standard's words.",
             ),
         ),
     ]
