@@ -19,7 +19,10 @@ pub static malloc_conf: &[u8] = b"background_thread:true,dirty_decay_ms:5000,muz
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    postcache::telemetry::init(cli.log_format);
+    if let Err(error) = postcache::telemetry::init(cli.log_format) {
+        eprintln!("error: {error:#}");
+        std::process::exit(2);
+    }
     postcache::startup::install_tls_provider();
     match cli.command {
         Command::Migrate(db) => {
@@ -64,7 +67,10 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Serve(args) => {
             let app = Application::build(*args).await?;
-            app.run_until_stopped(shutdown_signal()).await?;
+            let served = app.run_until_stopped(shutdown_signal()).await;
+            // The spans of the last requests, exported before the exit.
+            tokio::task::spawn_blocking(postcache::telemetry::traces::shutdown).await?;
+            served?;
         }
     }
     Ok(())

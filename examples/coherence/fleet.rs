@@ -537,7 +537,10 @@ pub fn run_instance() -> anyhow::Result<()> {
     anyhow::ensure!(every != Some(0), "{LOSE_CHANGES} must be at least 1");
     let defects = std::env::var(DEFECTS).unwrap_or_default();
     let defects: Vec<&str> = defects.split(',').filter(|d| !d.is_empty()).collect();
-    postcache::telemetry::init(cli.log_format);
+    if let Err(error) = postcache::telemetry::init(cli.log_format) {
+        eprintln!("error: {error:#}");
+        std::process::exit(2);
+    }
     postcache::startup::install_tls_provider();
     let lose_change = every.map(|every| {
         tracing::warn!(

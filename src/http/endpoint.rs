@@ -20,7 +20,11 @@ use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
 use super::{error::ApiError, handlers, openapi, position, state::AppState};
-use crate::{posts::PostId, read_path::Wanted, telemetry::metrics};
+use crate::{
+    posts::PostId,
+    read_path::Wanted,
+    telemetry::{metrics, traces},
+};
 
 /// Bounds applied to every request but a memory hit (see [`Endpoint`]).
 #[derive(Debug, Clone, Copy)]
@@ -71,14 +75,21 @@ impl Endpoint {
         &self,
         request: Request<Incoming>,
     ) -> impl Future<Output = Result<Response, Infallible>> + Send + 'static {
-        if let Some(response) = handlers::memory_hit(&self.state, &request) {
-            return Either::Left(ready(Ok(counted(response))));
+        // While traces are on, every request has its span: memory hits too
+        // go the full way (`traced`).
+        let traced = traces::on();
+        if !traced {
+            if let Some(response) = handlers::memory_hit(&self.state, &request) {
+                return Either::Left(ready(Ok(counted(response))));
+            }
         }
         let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
             metrics::shed("in_flight");
             return Either::Left(ready(Ok(counted(ApiError::Overloaded.into_response()))));
         };
-        let answer =
+        let answer = if traced {
+            Either::Right(self.traced(request))
+        } else {
             match handlers::post_read(&request) {
                 Some(id) => match position::wanted(request.headers()) {
                     Ok(None) => Either::Left(self.read(request, id)),
@@ -96,7 +107,8 @@ impl Endpoint {
                         },
                     ),
                 ) as Rare),
-            };
+            }
+        };
         Either::Right(
             tokio::time::timeout(self.request_timeout, answer).map(move |bounded| {
                 drop(permit);
@@ -132,6 +144,74 @@ impl Endpoint {
         })
     }
 }
+
+impl Endpoint {
+    /// A request while traces are on: the server's span (`request`), joined
+    /// to the trace an incoming W3C `traceparent` names, around the answer
+    /// it would have without (the read's own span, `get_post`, is its
+    /// child); boxed, as what is rare.
+    fn traced(&self, request: Request<Incoming>) -> Rare {
+        use tracing::Instrument;
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let path = request.uri().path();
+        let route = if path.starts_with("/posts/") {
+            "/posts/{id}"
+        } else if KNOWN_ROUTES.contains(&path) {
+            path
+        } else {
+            "other"
+        };
+        let span = tracing::debug_span!(
+            "request",
+            otel.name = %format_args!("{} {route}", request.method()),
+            otel.kind = "server",
+            http.request.method = %request.method(),
+            http.route = route,
+            url.path = %path,
+            http.response.status_code = tracing::field::Empty,
+        );
+        if let Some(parent) = traces::remote_parent(request.headers()) {
+            let _ = span.set_parent(parent);
+        }
+        let answer: Rare =
+            match handlers::post_read(&request) {
+                Some(id) => match position::wanted(request.headers()) {
+                    Ok(wanted) => {
+                        let validators =
+                            handlers::IfNoneMatch::from_headers(request.headers()).detached();
+                        drop(request);
+                        let state = self.state.clone();
+                        Box::pin(async move {
+                            handlers::read_post(&state, id, validators, wanted.map(Box::new)).await
+                        })
+                    }
+                    Err(error) => Box::pin(ready(error.into_response())),
+                },
+                None => Box::pin(self.router.clone().oneshot(request.map(Body::new)).map(
+                    |routed| match routed {
+                        Ok(response) => response,
+                        Err(infallible) => match infallible {},
+                    },
+                )),
+            };
+        let recorded = span.clone();
+        Box::pin(answer.instrument(span).map(move |response| {
+            recorded.record("http.response.status_code", response.status().as_u16());
+            response
+        }))
+    }
+}
+
+/// The routes a span names as they are (any other path is `other`, so
+/// that a scan of random paths does not make a span name per path).
+const KNOWN_ROUTES: &[&str] = &[
+    "/posts",
+    "/healthz",
+    "/livez",
+    "/readyz",
+    "/metrics",
+    "/openapi.json",
+];
 
 /// The future of a rarer request (a route, a read that asks for a
 /// position), boxed.

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 use super::{
     answer::{Answer, Outcome, ReadError, Served},
@@ -151,8 +152,22 @@ impl<'a, S: Source> Leader<'a, S> {
         };
         // Taken before the read: a change applied here after it moves it.
         let early = answer_early.then(|| self.ctx.memory.ticket(self.key));
-        match self.load(Since::of_fence(&fence)).await {
-            Ok(loaded) => self.finish(loaded, fence, early).await,
+        // The load's span says what it reads: one row of the source
+        // (PostgreSQL's, shared with the other keys of its statement).
+        let span = tracing::debug_span!(
+            "load",
+            db.system.name = "postgresql",
+            db.operation.name = "SELECT",
+            since = Since::of_fence(&fence).0,
+            load_ms = tracing::field::Empty,
+        );
+        match self.load(Since::of_fence(&fence)).instrument(span).await {
+            Ok(loaded) => {
+                // The flight's span says it too (the load's recorded its own).
+                let load_ms = loaded.load_time().as_secs_f64() * 1e3;
+                tracing::Span::current().record("load_ms", load_ms);
+                self.finish(loaded, fence, early).await
+            }
             Err(Busy) => self.let_go().await,
         }
     }
@@ -312,7 +327,12 @@ impl<'a, S: Source> Leader<'a, S> {
             cutoff,
             sharded: ctx.redis.sharded(),
         };
-        match ctx.redis.finish(&finish).await {
+        match ctx
+            .redis
+            .finish(&finish)
+            .instrument(tracing::debug_span!("finish"))
+            .await
+        {
             Ok(finished) => {
                 let led = self.finished(finished, entry, too_large);
                 self.held.handed_over();
@@ -477,7 +497,9 @@ fn finish_in_background<S: Source>(
 ) {
     let redis = ctx.redis.clone();
     let give_up = Instant::now() + ctx.settings.lock_ttl;
-    ctx.tasks.spawn(async move {
+    // In the trace of the flight that loaded it, after its answer.
+    let span = tracing::debug_span!("finish", background = true);
+    let finish = async move {
         let finish = Finish {
             keys: &keys,
             token: &held.token,
@@ -501,11 +523,18 @@ fn finish_in_background<S: Source>(
             }
         };
         match finished {
-            Ok(Finished { published: None, .. }) => {
+            Ok(Finished {
+                published: None, ..
+            }) => {
                 metrics::fenced();
-                tracing::debug!(lock = keys.lock, "a change was applied during the load: fenced, nothing stored");
+                tracing::debug!(
+                    lock = keys.lock,
+                    "a change was applied during the load: fenced, nothing stored"
+                );
             }
-            Ok(Finished { released: false, .. }) => tracing::warn!(
+            Ok(Finished {
+                released: false, ..
+            }) => tracing::warn!(
                 lock = keys.lock,
                 "lock expired during the load and was not ours to release"
             ),
@@ -515,5 +544,6 @@ fn finish_in_background<S: Source>(
             }
         }
         held.handed_over();
-    });
+    };
+    ctx.tasks.spawn(finish.instrument(span));
 }

@@ -222,10 +222,13 @@ where
         Fut: Future<Output = Outcome> + Send + 'static,
     {
         let this = this.clone();
+        // The flight's task is the child of the request that began it.
+        let parent = tracing::Span::current();
         let (role, outcome) = self
             .run(key.clone(), patience, move || {
                 // The request's own span is at debug level: this one names the key.
                 let span = tracing::info_span!(
+                    parent: &parent,
                     "flight",
                     key = %key,
                     role = tracing::field::Empty,

@@ -102,6 +102,7 @@ use futures::{
     future::{join_all, Either},
     FutureExt,
 };
+use tracing::Instrument;
 
 pub use answer::{Answer, ReadError, Served};
 pub use asked::{
@@ -839,13 +840,21 @@ impl<S: Source> ReadPath<S> {
         let warm = self.warm.holds(&key);
         let plain = warm || self.ctx.loader.source().reads_copies() || self.known_missing(&key);
         let (verdict, looked, won) = if plain {
-            let (verdict, looked) = Box::pin(self.look_up(&key, now, grace)).await;
+            let (verdict, looked) = Box::pin(
+                self.look_up(&key, now, grace)
+                    .instrument(tracing::debug_span!("first_look", claims = false)),
+            )
+            .await;
             if warm && looked.absent {
                 self.warm.forget(&key);
             }
             (verdict, looked, None)
         } else {
-            Box::pin(self.look_up_or_claim(&key, now, grace)).await
+            Box::pin(
+                self.look_up_or_claim(&key, now, grace)
+                    .instrument(tracing::debug_span!("first_look", claims = true)),
+            )
+            .await
         };
         let look = LookOutcome {
             now,

@@ -15,6 +15,7 @@ use std::{
 };
 
 use bytes::Bytes;
+use tracing::Instrument;
 
 use super::{
     answer::{Answer, Outcome, ReadError, Served},
@@ -174,7 +175,10 @@ impl<'a, S: Source> Coordinator<'a, S> {
                         Err(failed) => self.failed(failed),
                     }
                 }
-                Step::Sleep => match bounded(self.hard, self.sleep()).await {
+                Step::Sleep => match bounded(self.hard, self.sleep())
+                    .instrument(tracing::debug_span!("wait"))
+                    .await
+                {
                     Ok(Some(entry)) => Event::Heard(self.judge(Some(entry))),
                     Ok(None) => Event::Woken,
                     Err(failed) => self.failed(failed),

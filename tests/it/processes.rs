@@ -571,3 +571,165 @@ async fn a_first_start_logs_no_error_and_no_warning() {
         "the first slot is said at info level: {logs}"
     );
 }
+
+/// What an OTLP/HTTP receiver got: every span, with its service's name.
+#[derive(Default)]
+struct Received {
+    spans: Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>,
+    requests: usize,
+}
+
+/// An OTLP/HTTP receiver (protobuf, `POST /v1/traces`) on a free port, as
+/// a collector is: it decodes every export and keeps its spans.
+async fn otlp_receiver() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::Mutex<Received>>,
+) {
+    use axum::{body::Bytes, extract::State, routing::post, Router};
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use prost::Message;
+    type Shared = std::sync::Arc<std::sync::Mutex<Received>>;
+    async fn export(State(received): State<Shared>, body: Bytes) -> axum::http::StatusCode {
+        let Ok(request) = ExportTraceServiceRequest::decode(body) else {
+            return axum::http::StatusCode::BAD_REQUEST;
+        };
+        let mut received = received.lock().unwrap();
+        received.requests += 1;
+        for resource in request.resource_spans {
+            let service = resource
+                .resource
+                .iter()
+                .flat_map(|r| r.attributes.iter())
+                .find(|kv| kv.key == "service.name")
+                .and_then(|kv| kv.value.as_ref())
+                .map(|v| format!("{:?}", v.value))
+                .unwrap_or_default();
+            for scope in resource.scope_spans {
+                for span in scope.spans {
+                    received.spans.push((service.clone(), span));
+                }
+            }
+        }
+        axum::http::StatusCode::OK
+    }
+    let received: Shared = Default::default();
+    let app = Router::new()
+        .route("/v1/traces", post(export))
+        .with_state(received.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, received)
+}
+
+/// Traces on, through the standard variables: a cold read sent with a W3C
+/// `traceparent` gives, in that trace and under OTEL_SERVICE_NAME, the
+/// request's span (a child of the caller's), the read's, and its load's,
+/// exported over OTLP/HTTP to a receiver that decodes them as a collector
+/// does. A protocol this build does not speak is refused at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_read_with_a_traceparent_is_exported_in_its_trace() {
+    let env = TestEnv::new(3).await;
+    let (receiver, received) = otlp_receiver().await;
+    let service_name = format!("postcache-{}", env.prefix.trim_end_matches(':'));
+    let service = env
+        .start_process(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{receiver}")),
+            ("OTEL_SERVICE_NAME", service_name.clone()),
+            // Exported within 100 ms of their end (the default is 5 s).
+            ("OTEL_BSP_SCHEDULE_DELAY", "100".into()),
+        ])
+        .await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let caller = "00f067aa0ba902b7";
+    let reply = service
+        .http
+        .send(
+            reqwest::Method::GET,
+            "/posts/2",
+            &[("traceparent", &format!("00-{trace_id}-{caller}-01"))],
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.x_cache.as_deref(), Some("miss"));
+
+    let in_trace = |received: &Received| -> Vec<(String, String, String, String)> {
+        received
+            .spans
+            .iter()
+            .filter(|(_, span)| hex(&span.trace_id) == trace_id)
+            .map(|(service, span)| {
+                (
+                    span.name.clone(),
+                    hex(&span.span_id),
+                    hex(&span.parent_span_id),
+                    service.clone(),
+                )
+            })
+            .collect()
+    };
+    wait_until("the read's spans at the receiver", A_WHILE, async || {
+        let received = received.lock().unwrap();
+        let names: Vec<String> = in_trace(&received).into_iter().map(|s| s.0).collect();
+        ["GET /posts/{id}", "get_post", "load"]
+            .iter()
+            .all(|name| names.iter().any(|n| n == name))
+    })
+    .await;
+    let spans = in_trace(&received.lock().unwrap());
+    let named = |name: &str| spans.iter().find(|s| s.0 == name).unwrap().clone();
+    let (_, request, request_parent, service_seen) = named("GET /posts/{id}");
+    assert_eq!(
+        request_parent, caller,
+        "the request's span is the caller's child"
+    );
+    assert!(service_seen.contains(&service_name), "{service_seen}");
+    let (_, read, read_parent, _) = named("get_post");
+    assert_eq!(read_parent, request);
+    // The load is inside the read (through its flight).
+    let parents: std::collections::HashMap<String, String> = spans
+        .iter()
+        .map(|(_, id, parent, _)| (id.clone(), parent.clone()))
+        .collect();
+    let (_, load, _, _) = named("load");
+    let mut up = load.clone();
+    while let Some(parent) = parents.get(&up) {
+        if *parent == read {
+            break;
+        }
+        up = parent.clone();
+    }
+    assert_eq!(
+        parents.get(&up),
+        Some(&read),
+        "the load descends from the read: {spans:?}"
+    );
+    let names: Vec<&str> = spans.iter().map(|s| s.0.as_str()).collect();
+    for name in ["flight", "first_look", "finish"] {
+        assert!(names.contains(&name), "{name} in {names:?}");
+    }
+    drop(service);
+
+    // A protocol this build does not speak: refused at start, exit 2.
+    let refused = ServiceProcess::refused(
+        &[
+            ("DATABASE_URL", env.db_url.clone()),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{receiver}")),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".into()),
+        ],
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("exits");
+    assert_eq!(refused.0.code(), Some(2), "{}", refused.1);
+    assert!(
+        refused.1.contains("OTEL_EXPORTER_OTLP_PROTOCOL=grpc"),
+        "{}",
+        refused.1
+    );
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

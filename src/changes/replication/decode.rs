@@ -10,6 +10,7 @@ use std::{
 
 use futures::{stream, FutureExt, StreamExt};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+use tracing::Instrument;
 
 use super::{
     batch::{Batch, DecoderProgress, Pending, RETRY_LIST_MAX},
@@ -272,7 +273,14 @@ impl Candidate {
             .drain()
             .map(|(id, (kind, lsn))| (id, kind, lsn))
             .collect();
-        self.apply(changes, last, lag, progress).await?;
+        let span = tracing::debug_span!(
+            "apply_changes",
+            changes = changes.len(),
+            lsn = u64::from(last)
+        );
+        self.apply(changes, last, lag, progress)
+            .instrument(span)
+            .await?;
         progress.read_to(last.max(std::mem::take(&mut batch.read_to)));
         Ok(())
     }

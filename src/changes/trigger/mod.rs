@@ -31,6 +31,7 @@ use std::{
 use futures::{stream, StreamExt};
 use sqlx::{postgres::PgListener, PgPool};
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use super::FeedState;
 use crate::{
@@ -229,7 +230,10 @@ impl Follower {
             after = page.last.unwrap_or(after);
             // After what waited: the later of a post's changes is applied.
             changes.extend(page.changes);
-            self.apply(std::mem::take(&mut changes), progress).await;
+            let span = tracing::debug_span!("apply_changes", changes = changes.len());
+            self.apply(std::mem::take(&mut changes), progress)
+                .instrument(span)
+                .await;
             if !page.full {
                 break;
             }

@@ -132,7 +132,16 @@ pub fn node_breaker_state(node: String, state: f64) {
 /// A command (or a batch, or a script) that Redis answered, or that timed
 /// out, after `took`.
 pub fn redis_latency(took: Duration) {
-    histogram!(REDIS_COMMAND_DURATION).record(took.as_secs_f64());
+    static LATENCY: OnceLock<::metrics::Histogram> = OnceLock::new();
+    // Registered once, after `install`: every command records one, and a
+    // lookup in the registry is a hash and a lock each time.
+    match LATENCY.get() {
+        Some(histogram) => histogram.record(took.as_secs_f64()),
+        None if HANDLE.get().is_some() => LATENCY
+            .get_or_init(|| histogram!(REDIS_COMMAND_DURATION))
+            .record(took.as_secs_f64()),
+        None => histogram!(REDIS_COMMAND_DURATION).record(took.as_secs_f64()),
+    }
 }
 
 /// A batch read of `ids` ids ended with `outcome` (ok, partial, error)
