@@ -28,20 +28,38 @@ const DEFAULT_FILTER: &str = "info,sqlx=warn,fred=warn";
 pub fn init(format: LogFormat) -> anyhow::Result<()> {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
-    let log: Box<dyn Layer<Registry> + Send + Sync> = match format {
-        LogFormat::Text => fmt::layer()
-            .with_ansi(std::io::stdout().is_terminal())
-            .with_filter(filter)
-            .boxed(),
-        LogFormat::Json => fmt::layer()
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .with_filter(filter)
-            .boxed(),
-    };
-    let mut layers = vec![log];
-    layers.extend(traces::layer()?);
-    tracing_subscriber::registry().with(layers).init();
+    let registry = tracing_subscriber::registry();
+    match (traces::layer()?, format) {
+        // Traces off: the log's filter is the subscriber's, decided once per
+        // call site (a filter per layer costs every read on the hit path).
+        (None, LogFormat::Text) => registry.with(filter).with(text()).init(),
+        (None, LogFormat::Json) => registry.with(filter).with(json()).init(),
+        (Some(traces), format) => {
+            let log: Box<dyn Layer<Registry> + Send + Sync> = match format {
+                LogFormat::Text => text().with_filter(filter).boxed(),
+                LogFormat::Json => json().with_filter(filter).boxed(),
+            };
+            registry.with(vec![log, traces]).init();
+        }
+    }
     Ok(())
+}
+
+/// The log's layer, as text (colours only on a terminal).
+fn text<S>() -> impl Layer<S> + Send + Sync
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fmt::layer().with_ansi(std::io::stdout().is_terminal())
+}
+
+/// The log's layer, as JSON lines with the current span.
+fn json<S>() -> impl Layer<S> + Send + Sync
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fmt::layer()
+        .json()
+        .flatten_event(true)
+        .with_current_span(true)
 }
