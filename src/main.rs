@@ -16,6 +16,9 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[export_name = "_rjem_malloc_conf"]
 pub static malloc_conf: &[u8] = b"background_thread:true,dirty_decay_ms:5000,muzzy_decay_ms:5000\0";
 
+/// Longest the exit waits for the last spans to be exported.
+const TRACES_FLUSH: std::time::Duration = std::time::Duration::from_secs(2);
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -68,8 +71,15 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(args) => {
             let app = Application::build(*args).await?;
             let served = app.run_until_stopped(shutdown_signal()).await;
-            // The spans of the last requests, exported before the exit.
-            tokio::task::spawn_blocking(postcache::telemetry::traces::shutdown).await?;
+            // The spans of the last requests, exported before the exit,
+            // for at most TRACES_FLUSH: a collector that does not answer
+            // must not hold the exit past the grace period.
+            let (flushed, done) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                postcache::telemetry::traces::shutdown();
+                let _ = flushed.send(());
+            });
+            let _ = tokio::task::spawn_blocking(move || done.recv_timeout(TRACES_FLUSH)).await;
             served?;
         }
     }

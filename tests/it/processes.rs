@@ -711,6 +711,34 @@ async fn a_cold_read_with_a_traceparent_is_exported_in_its_trace() {
     }
     drop(service);
 
+    // A collector that takes connections and answers nothing (a listener
+    // that never accepts: the kernel completes the handshakes): a SIGTERM
+    // still ends the process within the flush's bound (2 s), not the SDK's
+    // own (5 s: measured with the bound lifted, the exit took 5.03 s).
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut silent = env
+        .start_process(&[
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                format!("http://{}", hole.local_addr().unwrap()),
+            ),
+            ("OTEL_BSP_SCHEDULE_DELAY", "60000".into()),
+        ])
+        .await;
+    assert_eq!(silent.http.get("/posts/3").await.status, 200);
+    silent.signal("TERM");
+    let stopped = Instant::now();
+    assert!(
+        silent.exits_within(Duration::from_secs(4)).await,
+        "{}",
+        silent.logs()
+    );
+    println!(
+        "exited {:?} after SIGTERM, its collector silent",
+        stopped.elapsed()
+    );
+    drop((silent, hole));
+
     // A protocol this build does not speak: refused at start, exit 2.
     let refused = ServiceProcess::refused(
         &[
