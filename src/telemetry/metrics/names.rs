@@ -42,7 +42,7 @@ pub const BUILD_INFO: &str = "postcache_build_info";
 /// Batch reads (`GET /posts?ids=`), by outcome: ok (every id answered),
 /// partial (some unavailable), error (a 4xx or 5xx for the whole batch).
 pub const BATCH_READS: &str = "postcache_batch_reads_total";
-/// Ids asked by batch reads (÷ batch reads: the mean batch).
+/// Distinct ids asked by batch reads (÷ batch reads: the mean batch).
 pub const BATCH_READ_IDS: &str = "postcache_batch_read_ids_total";
 /// Duration of batch reads, seconds.
 pub const BATCH_READ_DURATION: &str = "postcache_batch_read_duration_seconds";
@@ -436,7 +436,7 @@ pub(super) fn describe() {
         "Each Redis node's circuit breaker, by node: 0 closed, 1 open, 2 half-open."
     );
     describe_counter!(BATCH_READS, "Batch reads (GET /posts?ids=) by outcome.");
-    describe_counter!(BATCH_READ_IDS, "Ids asked by batch reads.");
+    describe_counter!(BATCH_READ_IDS, "Distinct ids asked by batch reads.");
     describe_histogram!(
         BATCH_READ_DURATION,
         Unit::Seconds,
