@@ -119,7 +119,9 @@ impl Kind {
             Kind::ListenersCut => {
                 "each instance's subscriber and change stream connections cut at its proxy"
             }
-            Kind::PostgresRestarted => "PostgreSQL stopped at once (-m immediate), started again",
+            Kind::PostgresRestarted => {
+                "PostgreSQL stopped at once (-m immediate), started again 0.5 s later (the bound counts from its taking connections again)"
+            }
             Kind::ReplicaLagging => "the standby's replay paused for 3 s (--replicas)",
             Kind::SlotDropped => "the replication slot dropped by hand",
             Kind::InvalidateAll => "postcache invalidate --all",
@@ -167,8 +169,11 @@ impl Kind {
             Kind::RedisPaused => ms(2500),
             // The stream reader reads again from its last entry.
             Kind::ListenersCut => ms(500),
-            // The decoder reconnects and is sent what was not confirmed.
-            Kind::PostgresRestarted => ms(2000),
+            // Past PostgreSQL's taking connections again (its downtime, with
+            // a crash's recovery, is added where it heals: see
+            // `run_schedule`): the decoder asks for the slot again within
+            // 0.4 s and is sent what was not confirmed.
+            Kind::PostgresRestarted => ms(1500),
             // The gap is closed by a raise of the cutoff once the slot is
             // made again.
             Kind::SlotDropped => ms(2000),
@@ -292,7 +297,13 @@ pub async fn run_schedule(
         let kind = order[turn];
         turn += 1;
         let injected = clock.now();
-        let what = inject(kind, &fleet, &args, &mut rng).await?;
+        // How long PostgreSQL took connections from no one, where it was
+        // restarted: while it is down, nothing can learn of the changes
+        // it committed last, and its recovery is its own.
+        let (what, primary_down) = match kind {
+            Kind::PostgresRestarted => restart_primary(&fleet).await,
+            _ => (inject(kind, &fleet, &args, &mut rng).await?, Duration::ZERO),
+        };
         let healthy = fleet.until_healthy(HEAL_LIMIT).await;
         let healed = clock.now();
         println!(
@@ -311,7 +322,7 @@ pub async fn run_schedule(
             // start until the fleet served a change made after it, and the
             // normal bound past that.
             Kind::SlowWalsender => healed.saturating_sub(injected) + args.bound,
-            _ => kind.bound(&args),
+            _ => primary_down + kind.bound(&args),
         };
         schedule.windows.push(Window {
             kind: kind.name(),
@@ -323,6 +334,26 @@ pub async fn run_schedule(
         tokio::time::sleep(Duration::from_secs(args.quiet)).await;
     }
     Ok(schedule)
+}
+
+/// Crashes PostgreSQL (`-m immediate`) and starts it again 0.5 s later:
+/// what was done, and how long it took no connection (the pause, and its
+/// recovery from the crash, which replays the WAL since the last
+/// checkpoint: tenths of a second at rest, seconds after a bulk write).
+async fn restart_primary(fleet: &Fleet) -> (String, Duration) {
+    let mut primary = fleet.primary.lock().await;
+    let crashed = Instant::now();
+    primary.stop();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    primary.start().await;
+    let down = crashed.elapsed();
+    (
+        format!(
+            "crashed, started again; connections taken again {:.1} s after the crash",
+            down.as_secs_f64()
+        ),
+        down,
+    )
 }
 
 /// Causes one fault and undoes what must be undone (a process restarted,
@@ -421,13 +452,7 @@ async fn inject(
                 .sum();
             format!("{cut} connections cut")
         }
-        Kind::PostgresRestarted => {
-            let mut primary = fleet.primary.lock().await;
-            primary.stop();
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            primary.start().await;
-            "crashed, started again".into()
-        }
+        Kind::PostgresRestarted => restart_primary(fleet).await.0,
         Kind::ReplicaLagging => {
             let standby = fleet.standby.as_ref().expect("--replicas");
             let url = format!("{}/{}", standby.url(), fleet.env.db_name);

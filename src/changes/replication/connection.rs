@@ -106,12 +106,38 @@ pub(super) enum Refusal {
     Missing,
     /// It lost WAL it needs (`max_slot_wal_keep_size`).
     Invalidated,
-    /// Anything else (PostgreSQL down, no privilege, no publication).
+    /// PostgreSQL is down, starting up or shutting down: it takes
+    /// connections again within moments (a restart, a crash's recovery, a
+    /// failover), and every moment the slot waits past that is staleness
+    /// for the whole fleet.
+    Unavailable,
+    /// Anything else (no privilege, no publication, a protocol error).
     Other,
 }
 
 pub(super) fn refusal(error: &pgwire_replication::PgWireError) -> Refusal {
+    use std::io::ErrorKind;
+    if let pgwire_replication::PgWireError::Io(io) = error {
+        return match io.kind() {
+            ErrorKind::ConnectionRefused
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionAborted
+            | ErrorKind::NotConnected
+            | ErrorKind::BrokenPipe
+            | ErrorKind::UnexpectedEof => Refusal::Unavailable,
+            _ => Refusal::Other,
+        };
+    }
     let text = error.to_string();
+    // 57P01 admin_shutdown (a fast or immediate shutdown, or a terminated
+    // backend), 57P02 crash_shutdown (another backend crashed), 57P03
+    // cannot_connect_now (starting up, in recovery, shutting down).
+    if ["57P01", "57P02", "57P03"]
+        .iter()
+        .any(|code| text.contains(code))
+    {
+        return Refusal::Unavailable;
+    }
     if text.contains("55006") || text.contains("is active for PID") {
         Refusal::Held
     } else if text.contains("42704") || text.contains("does not exist") && text.contains("slot") {
@@ -172,8 +198,32 @@ mod tests {
             Server("cannot read from logical replication slot \"s\" (SQLSTATE 55000)".into());
         assert_eq!(refusal(&lost_15), Refusal::Invalidated);
         assert_eq!(
-            refusal(&Server("connection refused".into())),
+            refusal(&Server(
+                "permission denied to start WAL sender (SQLSTATE 42501)".into()
+            )),
             Refusal::Other
         );
+        // PostgreSQL down, recovering from a crash, or shutting down.
+        let io = |kind| {
+            pgwire_replication::PgWireError::Io(std::sync::Arc::new(std::io::Error::from(kind)))
+        };
+        assert_eq!(
+            refusal(&io(std::io::ErrorKind::ConnectionRefused)),
+            Refusal::Unavailable
+        );
+        assert_eq!(
+            refusal(&io(std::io::ErrorKind::UnexpectedEof)),
+            Refusal::Unavailable
+        );
+        assert_eq!(
+            refusal(&io(std::io::ErrorKind::PermissionDenied)),
+            Refusal::Other
+        );
+        let starting = Server("the database system is starting up (SQLSTATE 57P03)".into());
+        assert_eq!(refusal(&starting), Refusal::Unavailable);
+        let stopping = Server(
+            "terminating connection due to immediate shutdown command (SQLSTATE 57P01)".into(),
+        );
+        assert_eq!(refusal(&stopping), Refusal::Unavailable);
     }
 }

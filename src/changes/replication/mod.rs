@@ -50,7 +50,7 @@ use std::{
 
 use pgwire_replication::ReplicationClient;
 use rand::Rng;
-use sqlx::PgPool;
+use sqlx::{Connection as _, PgPool};
 
 use connection::{refusal, session_options, Refusal};
 pub use connection::{replication_config, PUBLICATION};
@@ -71,6 +71,15 @@ const STANDBY_EVERY: Duration = Duration::from_millis(500);
 /// Pauses after a failed attempt to hold the slot.
 const RETRY_FIRST: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(3);
+/// How often PostgreSQL is asked whether it takes connections again while
+/// it is down, starting up or shutting down: the slot is asked for again
+/// within this (and half more, jittered) of its return, not a grown pause
+/// later (found: each attempt spent a second in the pool's acquire, the
+/// pauses grew to 3 s, and the slot was taken up to 4 s after the server's
+/// return while the fleet served what Redis held). A refused connection
+/// costs the server nothing; one during recovery, a backend that says so
+/// and ends.
+const UNAVAILABLE_RETRY: Duration = Duration::from_millis(250);
 
 /// The slot of a fleet: named after its database and KEY_PREFIX (slot names
 /// are at most 63 characters of `a-z`, `0-9` and `_`).
@@ -190,6 +199,8 @@ impl Candidate {
         // When this instance last decoded: the beats are its own for
         // BEAT_STALE after that.
         let mut held: Option<Instant> = None;
+        // Whether this outage of PostgreSQL was logged (once, then quietly).
+        let mut unavailable_told = false;
         warn_of_idle_slots(&self.pool, &self.slot).await;
         self.make_slot_if_missing().await;
         loop {
@@ -205,6 +216,7 @@ impl Candidate {
             let result = self.hold(&mut decoded).await;
             if decoded {
                 held = Some(Instant::now());
+                unavailable_told = false;
                 // A session that held the slot starts the pauses anew: a
                 // loss after a long run is not a repeated failure (the
                 // pauses had grown to their 3 s bound over a run's losses,
@@ -283,6 +295,17 @@ impl Candidate {
                         }
                     }
                 }
+                Some(Refusal::Unavailable) => {
+                    if !std::mem::replace(&mut unavailable_told, true) {
+                        tracing::warn!(
+                            error = format!("{error:#}"),
+                            slot = self.slot,
+                            "PostgreSQL is unavailable to the change feed's decoder; asking again every {UNAVAILABLE_RETRY:?}"
+                        );
+                    }
+                    self.until_reachable().await;
+                    Duration::ZERO
+                }
                 _ => {
                     tracing::warn!(
                         error = format!("{error:#}"),
@@ -295,6 +318,35 @@ impl Candidate {
             // Jittered, so that standbys do not all try at once.
             let jitter = rand::rng().random_range(0.0..0.5);
             tokio::time::sleep(pause.mul_f64(1.0 + jitter)).await;
+        }
+    }
+
+    /// Waits until PostgreSQL takes a connection again, asking every
+    /// UNAVAILABLE_RETRY (jittered) on a connection of its own: not through
+    /// the pool, whose acquire spends its whole timeout (a second) on a
+    /// server that refuses, so that the slot is asked for again within
+    /// moments of the server's return.
+    async fn until_reachable(&self) {
+        let options = self.pool.connect_options();
+        loop {
+            let jitter = rand::rng().random_range(0.0..0.5);
+            tokio::time::sleep(UNAVAILABLE_RETRY.mul_f64(1.0 + jitter)).await;
+            let attempt =
+                tokio::time::timeout(self.timeout, sqlx::PgConnection::connect_with(&options))
+                    .await;
+            match attempt {
+                Ok(Ok(connection)) => {
+                    // Its Terminate, bounded: the server just answered.
+                    let _ = tokio::time::timeout(self.timeout, connection.close()).await;
+                    return;
+                }
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, "PostgreSQL still unavailable to the decoder")
+                }
+                Err(_) => {
+                    tracing::debug!("PostgreSQL still unavailable to the decoder (no answer)")
+                }
+            }
         }
     }
 
