@@ -122,8 +122,24 @@ const SLOTS: &str = "select slot_name as name, coalesce(database, '') as databas
      from pg_replication_slots
      where slot_name like 'postcache\\_%'";
 
+/// Longest a `slot` command waits for PostgreSQL in all (a server gone
+/// silent must not hold an operator's shell).
+const LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+async fn bounded<T>(
+    work: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    tokio::time::timeout(LIMIT, work)
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer from PostgreSQL within {LIMIT:?}"))?
+}
+
 /// `postcache slot list`.
 pub async fn list(args: &SlotListArgs) -> anyhow::Result<Slots> {
+    bounded(list_unbounded(args)).await
+}
+
+async fn list_unbounded(args: &SlotListArgs) -> anyhow::Result<Slots> {
     let this_fleet = this_fleet(&args.fleet)?;
     let pool = connect(&args.fleet).await?;
     let slots = sqlx::query_as::<_, Slot>(&format!("{SLOTS} order by slot_name"))
@@ -137,6 +153,10 @@ pub async fn list(args: &SlotListArgs) -> anyhow::Result<Slots> {
 
 /// `postcache slot drop`: what was dropped, in words.
 pub async fn drop(args: &SlotDropArgs) -> anyhow::Result<String> {
+    bounded(drop_unbounded(args)).await
+}
+
+async fn drop_unbounded(args: &SlotDropArgs) -> anyhow::Result<String> {
     let name = match &args.name {
         Some(name) => name.clone(),
         None => this_fleet(&args.fleet)?,

@@ -201,8 +201,11 @@ impl Candidate {
         let mut held: Option<Instant> = None;
         // Whether this outage of PostgreSQL was logged (once, then quietly).
         let mut unavailable_told = false;
-        warn_of_idle_slots(&self.pool, &self.slot).await;
-        self.make_slot_if_missing().await;
+        // Bounded (a connection gone silent must not hold the candidate
+        // before its first session); the sessions make the slot otherwise.
+        let _ =
+            tokio::time::timeout(self.timeout, warn_of_idle_slots(&self.pool, &self.slot)).await;
+        let _ = tokio::time::timeout(self.timeout, self.make_slot_if_missing()).await;
         loop {
             // Stand by while another instance's beats come; not this one's
             // own: an instance that lost the slot (its connection cut,
