@@ -144,6 +144,12 @@ impl TcpProxy {
         self.open.store(true, Ordering::SeqCst);
     }
 
+    /// Refuses new connections (each closed as it is taken) until
+    /// [`TcpProxy::restore`]; the present ones stay.
+    pub fn refuse_new(&self) {
+        self.open.store(false, Ordering::SeqCst);
+    }
+
     /// Holds every byte in both directions (a network that stalls) until
     /// `stall(false)`; connections stay open.
     pub fn stall(&self, stalled: bool) {
