@@ -167,7 +167,8 @@ impl Kind {
             // Changes wait for Redis; the memory tier serves until the
             // beats are 2 s late.
             Kind::RedisPaused => ms(2500),
-            // The stream reader reads again from its last entry.
+            // The stream reader reads the stream again (from its end, its
+            // memory tier forgotten) as its connection is made again.
             Kind::ListenersCut => ms(500),
             // Past PostgreSQL's taking connections again (its downtime, with
             // a crash's recovery, is added where it heals: see

@@ -35,28 +35,13 @@ pub fn wanted(headers: &HeaderMap) -> Result<Option<Wanted>, ApiError> {
     if min_lsn.is_none() && max_staleness.is_none() {
         return Ok(None);
     }
-    let min_lsn = match min_lsn {
-        None => None,
-        Some(value) => Some(
-            value
-                .to_str()
-                .ok()
-                .and_then(parse_lsn)
-                .ok_or(ApiError::InvalidMinLsn)?,
-        ),
-    };
     // 0/0: every commit up to nothing, which any answer reflects.
-    let min_lsn = min_lsn.filter(|&lsn| lsn > 0);
-    let max_staleness = match max_staleness {
-        None => None,
-        Some(value) => Some(
-            value
-                .to_str()
-                .ok()
-                .and_then(parse_staleness)
-                .ok_or(ApiError::InvalidMaxStaleness)?,
-        ),
-    };
+    let min_lsn = parsed(min_lsn, parse_lsn, ApiError::InvalidMinLsn)?.filter(|&lsn| lsn > 0);
+    let max_staleness = parsed(
+        max_staleness,
+        parse_staleness,
+        ApiError::InvalidMaxStaleness,
+    )?;
     if min_lsn.is_none() && max_staleness.is_none() {
         return Ok(None);
     }
@@ -78,6 +63,18 @@ impl From<Refused> for ApiError {
             Refused::Past(PastFailure::Failed) => ApiError::Unavailable,
         }
     }
+}
+
+/// A header's value read by `parse`, if given; `invalid` where it does not
+/// parse (or is not visible ASCII).
+fn parsed<T>(
+    value: Option<&HeaderValue>,
+    parse: impl FnOnce(&str) -> Option<T>,
+    invalid: ApiError,
+) -> Result<Option<T>, ApiError> {
+    value
+        .map(|value| value.to_str().ok().and_then(parse).ok_or(invalid))
+        .transpose()
 }
 
 /// The value of `name`, if given: given twice (two lines, or one line

@@ -1,6 +1,6 @@
 """staleness-flood: a flood of `PostCache-Max-Staleness: 0ms` on one post
 beside cold readers, what it costs PostgreSQL, and what the readers see.
-Writes load/results/<date>/staleness-flood.md."""
+Writes load/results/<date>/staleness-flood.md (or --out)."""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ import urllib.request
 from .. import kit
 from ..cpu import cpu_seconds
 from ..db import CAPACITY_DB, prepare_database, psql
-from ..flags import add_connections, add_rounds, add_seconds
+from ..flags import add_connections, add_out, add_rounds, add_seconds
 from ..procs import spawn, stop_all
 from ..report import spread, write_results
 from ..runners import find_wrk, this_and_old, wrk_cmd, wrk_latency, wrk_rps, wrk_total
@@ -26,8 +26,9 @@ def add_parser(sub, common):
                                    "instance with the replication feed; with --old, another binary in the same "
                                    "rounds. Reports the flood's answers, the rows and statements it cost "
                                    "PostgreSQL, and the cold readers' failures and p99. Writes "
-                                   "load/results/<date>/staleness-flood.md.")
+                                   "load/results/<date>/staleness-flood.md (or --out).")
     s.add_argument("--old", help="another binary to run the same rounds with")
+    add_out(s, "staleness-flood.md")
     add_rounds(s, 2)
     add_seconds(s, 6, what="seconds per run")
     add_connections(s, what="flood connections")
@@ -174,4 +175,4 @@ def run(args):
                      f"{spread([x['statements'] / max(x['flood_total'] + x['cold_total'], 1) for x in runs], '.3f')}, "
                      f"cold p99 {spread([x['cold_p99'] or 0.0 for x in runs], '.1f')} ms")
     lines += [""]
-    write_results("staleness-flood.md", "\n".join(lines))
+    write_results(args.out or "staleness-flood.md", "\n".join(lines))

@@ -249,6 +249,10 @@ pub struct Beats {
     session: AtomicU64,
     /// When a read of the stream last succeeded (as `beat_at`).
     read_at: AtomicU64,
+    /// When the stream was last taken up from its end (as `beat_at`): the
+    /// beats forgotten then say nothing of the decoder, whose next one is
+    /// on its way.
+    taken_up_at: AtomicU64,
 }
 
 impl Default for Beats {
@@ -262,6 +266,7 @@ impl Default for Beats {
             advanced: Notify::new(),
             session: AtomicU64::new(0),
             read_at: AtomicU64::new(0),
+            taken_up_at: AtomicU64::new(0),
         }
     }
 }
@@ -284,6 +289,30 @@ impl Beats {
                 .checked_sub(BEAT_STALE)
                 .map(|at| (at, behind));
         }
+    }
+
+    /// The stream is taken up from its end (at start, or after a failed
+    /// read): the beats are forgotten, and for BEAT_STALE they judge no
+    /// decoder (see [`Beats::judge_decoder`]).
+    fn taken_up(&self) {
+        self.forget();
+        let at = self.epoch.elapsed().as_millis() as u64 + 1;
+        self.taken_up_at.store(at, Ordering::SeqCst);
+    }
+
+    /// Whether the beats may judge the decoder dead: not within BEAT_STALE
+    /// of this instance's taking the stream up from its end, when no beat
+    /// is fresh because it forgot them, not because none came (found: a
+    /// standby whose stream connection was cut took the slot from a live
+    /// decoder, ending its walsender, and a change waited 525 ms while the
+    /// new one started). A decoder that said it stopped is judged at once.
+    pub fn judge_decoder(&self) -> bool {
+        self.judge_decoder_at(Instant::now())
+    }
+
+    fn judge_decoder_at(&self, now: Instant) -> bool {
+        self.age_at(self.taken_up_at.load(Ordering::SeqCst), now)
+            .is_none_or(|age| age >= BEAT_STALE)
     }
 
     fn beat(&self, lsn: u64, behind: u64, age_ms: u64, session: u64) {
@@ -540,7 +569,7 @@ impl Reader {
                 tail.first()
                     .map_or_else(|| "0-0".to_owned(), |(id, _)| id.clone()),
             );
-            self.beats.forget();
+            self.beats.taken_up();
             // Redis may have lost what was applied: no position vouches.
             self.read_path.feed_position(0);
             // What the memory tier took in while the stream was not read.
@@ -727,6 +756,32 @@ mod tests {
             .map(|(k, v)| (k.to_owned(), v))
             .collect();
         Entry::parse(&fields)
+    }
+
+    #[test]
+    fn beats_forgotten_as_the_stream_is_taken_up_judge_no_decoder_for_beat_stale() {
+        let beats = Beats::default();
+        beats.taken_up();
+        beats.beat(100, 0, 0, 7);
+        let now = Instant::now();
+        assert!(beats.fresh_at(now));
+        assert!(beats.judge_decoder_at(now + BEAT_STALE));
+        // Taken up again (a read failed): no beat is fresh, and none is
+        // judged missing yet.
+        beats.taken_up();
+        let now = Instant::now();
+        assert!(!beats.fresh_at(now));
+        assert!(!beats.judge_decoder_at(now));
+        assert!(!beats.judge_decoder_at(now + BEAT_STALE / 2));
+        // BEAT_STALE on, with no beat read meanwhile: the decoder is late.
+        assert!(beats.judge_decoder_at(now + BEAT_STALE + Duration::from_millis(2)));
+        // A decoder that said it stopped is judged at once (the stream was
+        // taken up long before).
+        let beats = Beats::default();
+        beats.beat(100, 0, 0, 7);
+        beats.stopped(7);
+        assert!(!beats.fresh());
+        assert!(beats.judge_decoder());
     }
 
     #[test]

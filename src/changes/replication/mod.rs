@@ -356,13 +356,18 @@ impl Candidate {
     /// Ends the walsender that holds the slot while no beat comes (its
     /// decoder died, stopped, or went silent, and PostgreSQL has not noticed
     /// yet): whether it did. Only while this instance reads the stream (the
-    /// beats it misses are missing), and only a walsender older than
+    /// beats it misses are missing), not within BEAT_STALE of its taking
+    /// the stream up again (the beats it forgot then are not missing), and
+    /// only a walsender older than
     /// TAKEOVER_GRACE. Needs the right to signal it: the same role as the
     /// holder's, or `pg_signal_backend`; without it the walsender ends at
     /// its `wal_sender_timeout` (REPLICATION_TIMEOUT, which the decoder
     /// sets for its own session).
     async fn take_over(&self) -> bool {
-        if self.beats.fresh() || !self.beats.stream_read_within(STREAM_CURRENT) {
+        if self.beats.fresh()
+            || !self.beats.stream_read_within(STREAM_CURRENT)
+            || !self.beats.judge_decoder()
+        {
             return false;
         }
         let ended = sqlx::query_scalar::<_, bool>(
