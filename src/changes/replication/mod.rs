@@ -303,7 +303,7 @@ impl Candidate {
                         tracing::warn!(
                             error = format!("{error:#}"),
                             slot = self.slot,
-                            "PostgreSQL is unavailable to the change feed's decoder; asking again every {UNAVAILABLE_RETRY:?}"
+                            "the change feed's session ended, or PostgreSQL is unavailable (down, starting or shutting down); asking again every {UNAVAILABLE_RETRY:?}"
                         );
                     }
                     self.until_reachable().await;
