@@ -345,6 +345,17 @@ impl Fleet {
         postcache::testkit::metric(&text, series)
     }
 
+    /// The times the fleet's decoders gave up the slot, summed over the
+    /// instances (none counts 0).
+    pub async fn decoders_gave_up(&self) -> u64 {
+        let mut total = 0;
+        for i in 0..self.instances.len() {
+            let series = "postcache_change_feed_decoder_gave_up_total";
+            total += self.metric(i, series).await.unwrap_or(0.0) as u64;
+        }
+        total
+    }
+
     /// The instance whose process decodes the fleet's changes.
     pub async fn decoder(&self) -> Option<usize> {
         for i in 0..self.instances.len() {

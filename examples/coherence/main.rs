@@ -308,6 +308,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         reads: &reads,
         windows: &schedule.windows,
         unhealed: &schedule.unhealed,
+        broken: &schedule.broken,
         verdict: &verdict,
         errors: &errors,
         writes: &write_log,

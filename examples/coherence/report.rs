@@ -23,6 +23,8 @@ pub struct Report<'a> {
     pub reads: &'a [Read],
     pub windows: &'a [Window],
     pub unhealed: &'a [String],
+    /// Faults that caused what they must not.
+    pub broken: &'a [String],
     pub verdict: &'a Verdict,
     pub errors: &'a Errors,
     pub writes: &'a Tally,
@@ -128,6 +130,9 @@ impl Report<'_> {
         }
         for fault in self.unhealed {
             why.push(format!("not healed: {fault}"));
+        }
+        for fault in self.broken {
+            why.push(format!("caused what it must not: {fault}"));
         }
         if !self.healthy {
             why.push("the fleet was not healthy at the end".into());
@@ -330,6 +335,9 @@ impl Report<'_> {
         for fault in self.unhealed {
             let _ = writeln!(w, "- not healed: {fault}");
         }
+        for fault in self.broken {
+            let _ = writeln!(w, "- caused what it must not: {fault}");
+        }
 
         if let Some(positions) = &self.positions {
             self.render_positions(w, positions);
@@ -475,6 +483,22 @@ impl Report<'_> {
                     r.served.as_str(),
                     format_lsn(p.min_lsn)
                 );
+                // The versions around it: which one it owed, and when.
+                for v in self.history.versions(r.post) {
+                    if v.committed + Duration::from_secs(2) < r.began || v.began > r.ended {
+                        continue;
+                    }
+                    let _ = writeln!(
+                        w,
+                        "  - v{} {}: began {}, committed {}, writer's position {}, {} post(s) in its transaction",
+                        v.seq,
+                        if v.exists { "written" } else { "deleted" },
+                        ms(v.began),
+                        ms(v.committed),
+                        format_lsn(v.lsn),
+                        self.history.written_with(v)
+                    );
+                }
             }
         }
         if !v.violations.is_empty() {

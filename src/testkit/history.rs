@@ -82,6 +82,20 @@ impl History {
         self.posts.values().map(|v| v.len().saturating_sub(1)).sum()
     }
 
+    /// How many posts the transaction that committed `version` wrote (by
+    /// its commit and its writer's position): 1 for a single post, every
+    /// post for a TRUNCATE.
+    pub fn written_with(&self, version: &Version) -> usize {
+        self.posts
+            .values()
+            .filter(|versions| {
+                versions
+                    .iter()
+                    .any(|v| v.lsn == version.lsn && v.committed == version.committed && v.seq > 0)
+            })
+            .count()
+    }
+
     /// The last version of each post.
     pub fn finals(&self) -> impl Iterator<Item = (i64, &Version)> {
         self.posts

@@ -25,10 +25,14 @@
 //!   them all: the beat is level as of the probe, and says how old the
 //!   probe was (the instances count its age from there).
 //! - PostgreSQL's `reply_time` is the time this decoder put in the last
-//!   status it processed (one goes out every 200 ms): how long ago it was
-//!   sent is read on this process's clock alone, never against another
-//!   host's. A walsender that waits for WAL reads statuses at once; one
-//!   that decodes a large transaction reads them every half of its
+//!   status it processed (one goes out every 200 ms). It is never compared
+//!   with another host's clock, nor timed on this one's wall clock, which
+//!   steps (found: a decoder whose clock stepped 2 s ahead took the last
+//!   status for 2 s old, gave up the slot, and a change waited 163 ms, bound
+//!   100 ms): a status is heard when the value changes from one probe to
+//!   the next, and its age is counted on the monotonic clock from there
+//!   (see [`Heard`]). A walsender that waits for WAL reads statuses at once;
+//!   one that decodes a large transaction reads them every half of its
 //!   `wal_sender_timeout`, which the decoder sets to REPLICATION_TIMEOUT.
 //! - A position in the middle of a record (a transaction that wrote WAL and
 //!   waits, uncommitted: the walsender can only read whole records, flushed)
@@ -270,6 +274,7 @@ impl Prober {
     pub async fn run(self) {
         let mut every = tokio::time::interval(PROBE_EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut heard = Heard::default();
         loop {
             every.tick().await;
             if self.nudge.swap(false, Ordering::SeqCst) {
@@ -277,7 +282,10 @@ impl Prober {
                 tracing::debug!(?nudged, "the decoder's position nudged along");
             }
             match tokio::time::timeout(self.timeout, probe(&self.pool, &self.session)).await {
-                Ok(Ok(probe)) => {
+                Ok(Ok((mut probe, reply))) => {
+                    if let Some(walsender) = probe.walsender.as_mut() {
+                        walsender.heard = heard.judge(reply, probe.at);
+                    }
                     self.probes.send_replace(Some(probe));
                 }
                 Ok(Err(error)) => tracing::debug!(%error, "the decoder's probe failed"),
@@ -300,8 +308,10 @@ async fn nudge(pool: &PgPool) -> sqlx::Result<()> {
     .map(drop)
 }
 
-/// One probe: the primary's insert position and this session's walsender.
-async fn probe(pool: &PgPool, session: &str) -> sqlx::Result<Probe> {
+/// One probe: the primary's insert position and this session's walsender
+/// (its `heard` left for [`Heard`] to judge), and the walsender's last
+/// status as PostgreSQL shows it.
+async fn probe(pool: &PgPool, session: &str) -> sqlx::Result<(Probe, Option<Reply>)> {
     let at = Instant::now();
     let sent_at = SystemTime::now();
     let (wal, sent, reply_micros, wait_event): (i64, Option<i64>, Option<i64>, Option<String>) =
@@ -320,14 +330,72 @@ async fn probe(pool: &PgPool, session: &str) -> sqlx::Result<Probe> {
         .await?;
     let walsender = sent.map(|sent| Walsender {
         sent: u64::try_from(sent).unwrap_or(0),
-        heard: reply_micros.map(|micros| heard_before(sent_at, micros)),
+        heard: None,
         idle: wait_event.as_deref().is_some_and(waits),
     });
-    Ok(Probe {
+    let reply = reply_micros
+        .filter(|_| walsender.is_some())
+        .map(|micros| Reply {
+            micros,
+            before: heard_before(sent_at, micros),
+        });
+    let probe = Probe {
         at,
         wal: u64::try_from(wal).unwrap_or(0),
         walsender,
-    })
+    };
+    Ok((probe, reply))
+}
+
+/// A walsender's last status from this decoder, as a probe read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Reply {
+    /// Its `reply_time`: this process's wall clock when it sent the status
+    /// (unix microseconds), which tells one status from the next.
+    micros: i64,
+    /// How long before the probe that was, on the wall clock (wrong by as
+    /// much as the clock stepped meanwhile).
+    before: Duration,
+}
+
+/// When the walsender last heard this decoder, on the monotonic clock: a
+/// status is new when its `reply_time` differs from the one the last probe
+/// read, and so was processed after that probe; from then on its age
+/// grows with the monotonic clock, whatever the wall clock does.
+#[derive(Debug, Default)]
+struct Heard {
+    /// The last status read, and when it was processed at the latest.
+    last: Option<(i64, Instant)>,
+    /// When the last probe that read a status was sent.
+    probed: Option<Instant>,
+}
+
+impl Heard {
+    /// How long before the probe sent `at` the walsender processed the
+    /// last status it read of this decoder (`None`: none yet).
+    fn judge(&mut self, reply: Option<Reply>, at: Instant) -> Option<Duration> {
+        let Some(reply) = reply else {
+            *self = Self::default();
+            return None;
+        };
+        let previous = self.probed.replace(at);
+        match self.last {
+            Some((micros, heard_at)) if micros == reply.micros => {
+                Some(at.saturating_duration_since(heard_at))
+            }
+            _ => {
+                // New since the last probe: no older than that probe, and
+                // the wall clock's word where it says less (it is the
+                // whole estimate for the first one read).
+                let before = previous.map_or(reply.before, |previous| {
+                    reply.before.min(at.saturating_duration_since(previous))
+                });
+                let heard_at = at.checked_sub(before).unwrap_or(at);
+                self.last = Some((reply.micros, heard_at));
+                Some(at.saturating_duration_since(heard_at))
+            }
+        }
+    }
 }
 
 /// How long before `at` the status sent at `micros` (unix microseconds, on
@@ -524,6 +592,98 @@ mod tests {
             judge.judge(Some(&p), seen(1200, 1200), t0 + ms(1400)).0,
             Verdict::Level { .. }
         ));
+    }
+
+    fn reply(micros: i64, before: u64) -> Option<Reply> {
+        Some(Reply {
+            micros,
+            before: ms(before),
+        })
+    }
+
+    #[test]
+    fn a_status_is_timed_from_the_probe_that_first_read_it_on_the_monotonic_clock() {
+        let t0 = Instant::now();
+        let mut heard = Heard::default();
+        // The first one read: the wall clock's word.
+        assert_eq!(heard.judge(reply(1_000, 150), t0), Some(ms(150)));
+        // The same status, read again: older by the monotonic clock only.
+        assert_eq!(heard.judge(reply(1_000, 250), t0 + ms(100)), Some(ms(250)));
+        // A new one, which the wall clock says is 30 ms old.
+        assert_eq!(heard.judge(reply(200_000, 30), t0 + ms(200)), Some(ms(30)));
+        // The wall clock stepped 3 s ahead: the status the walsender holds
+        // looks 3 s old to it, and is not (found: the decoder gave up the
+        // slot; a change waited 163 ms, bound 100 ms).
+        assert_eq!(
+            heard.judge(reply(200_000, 3_130), t0 + ms(300)),
+            Some(ms(130))
+        );
+        // The next status, stamped by the stepped clock: new since the last
+        // probe, so no older than it, whatever the clock says.
+        assert_eq!(
+            heard.judge(reply(3_400_000, 5_000), t0 + ms(400)),
+            Some(ms(100))
+        );
+        // The clock stepped 3 s back, and the connection went silent: the
+        // status stamped before the step looks fresh to the wall clock
+        // for 3 s, and ages on the monotonic clock all the same.
+        assert_eq!(
+            heard.judge(reply(3_400_000, 0), t0 + ms(500)),
+            Some(ms(200))
+        );
+        assert_eq!(
+            heard.judge(reply(3_400_000, 0), t0 + ms(2_600)),
+            Some(ms(2_300))
+        );
+        // No walsender: forgotten.
+        assert_eq!(heard.judge(None, t0 + ms(2_700)), None);
+        assert_eq!(
+            heard.judge(reply(3_400_000, 40), t0 + ms(2_800)),
+            Some(ms(40))
+        );
+    }
+
+    #[test]
+    fn a_clock_step_is_not_a_silent_connection() {
+        // The judge, fed by the probes: a walsender that waits, a status
+        // every 200 ms, a probe every 100 ms, and the wall clock stepped
+        // 2.1 s ahead at 1.1 s, between a status and the next.
+        let t0 = Instant::now();
+        let mut judge = Judge::new(TIMEOUT, t0);
+        let mut wall_only = Judge::new(TIMEOUT, t0);
+        let mut heard = Heard::default();
+        let mut wall_only_dead = false;
+        let wall = |at_ms: u64| at_ms as i64 * 1000 + if at_ms >= 1_100 { 2_100_000 } else { 0 };
+        for tick in 0..40u64 {
+            let at_ms = tick * 100;
+            let at = t0 + ms(at_ms);
+            let stamped = wall(at_ms / 200 * 200);
+            let before = ms(((wall(at_ms) - stamped).max(0) / 1000) as u64);
+            let walsender = |heard| {
+                Some(Walsender {
+                    sent: 1000,
+                    heard: Some(heard),
+                    idle: true,
+                })
+            };
+            let judged = heard.judge(reply(stamped, before.as_millis() as u64), at);
+            let p = probe(at, 2000, walsender(judged.unwrap()));
+            let (verdict, _) = judge.judge(Some(&p), seen(1000, 1000), at);
+            assert!(
+                matches!(verdict, Verdict::Behind { .. }),
+                "at {at_ms} ms: {verdict:?}"
+            );
+            // What the wall clock alone made of it.
+            let p = probe(at, 2000, walsender(before));
+            wall_only_dead |= matches!(
+                wall_only.judge(Some(&p), seen(1000, 1000), at).0,
+                Verdict::Dead(_)
+            );
+        }
+        assert!(
+            wall_only_dead,
+            "the step must be one the wall clock misjudges"
+        );
     }
 
     #[test]
