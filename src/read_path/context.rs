@@ -43,9 +43,11 @@ pub(super) struct Context<S: Source> {
     pub won: Arc<WonClaims<S::Key>>,
     /// What this process must serve no older than (floor.rs).
     pub floors: Floors<S::Key>,
-    /// The cutoff in force here, unix milliseconds: every entry read before
-    /// it is invalid (`invalidate --all`; see `apply.rs`). Only ever raised.
-    cutoff: AtomicU64,
+    /// The cutoff in force here (the fleet's, as this process last heard
+    /// it): every entry read knowing a lower one is invalid (`invalidate
+    /// --all`, a truncate; see `apply.rs`). Only ever raised. Shared with
+    /// the loader, which stamps each entry with it as its load begins.
+    cutoff: Arc<AtomicU64>,
 }
 
 impl<S: Source> Context<S> {
@@ -66,7 +68,6 @@ impl<S: Source> Context<S> {
         #[cfg(not(feature = "testkit"))]
         let floors = Floors::default();
         Self {
-            loader,
             keys,
             redis,
             subscriber,
@@ -75,7 +76,8 @@ impl<S: Source> Context<S> {
             memory,
             won: Arc::default(),
             floors,
-            cutoff: AtomicU64::new(0),
+            cutoff: loader.cutoff(),
+            loader,
         }
     }
 

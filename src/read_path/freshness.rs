@@ -46,28 +46,29 @@ pub enum Verdict {
 
 /// The verdict on `entry` (`None`: absent or undecodable) at `now` (unix
 /// milliseconds), with `grace` the stale-while-revalidate window and
-/// `cutoff` the instant (unix milliseconds, 0: none) before which every read
-/// was invalidated (`invalidate --all`, a truncate): an entry read before it
-/// is a miss, fresh no longer than the cutoff, with no grace (a truncate
-/// deletes every post: no old body is served stale) and no backoff copy.
+/// `cutoff` the fleet's cutoff (0: none), raised by `invalidate --all` or a
+/// truncate: an entry read before it (its loader knew a lower one) is a
+/// miss at once, with no grace (a truncate deletes every post: no old body
+/// is served stale) and no backoff copy. No clock is compared with another
+/// host's: the cutoff with the cutoff the loader knew (`cache/entry.rs`),
+/// not with the reader's clock (found: a reader 5 s behind the raiser
+/// served entries read before a truncate for 5 s, "fresh until the
+/// cutoff", their `PostCache-LSN` past it).
 pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Verdict {
     let Some(entry) = entry else {
         return Verdict::Miss;
     };
-    let invalidated = entry.read_at() < cutoff;
-    let (fresh_until, grace) = if invalidated {
-        (entry.fresh_until().min(cutoff), Duration::ZERO)
-    } else {
-        (entry.fresh_until(), grace)
-    };
+    let fresh_until = entry.fresh_until();
     // Order matters: a failure marker carries no body whatever its flags,
     // and a backoff copy is served whatever its freshness, until its
     // backoff ends.
     if entry.status() == Status::Failed {
         Verdict::Failed
+    } else if entry.before_cutoff(cutoff) {
+        Verdict::Miss
     } else if entry.status() == Status::TooLarge {
-        // Past its freshness (or the cutoff), a marker says nothing: the
-        // item may have shrunk. No grace: it has no body to serve.
+        // Past its freshness, a marker says nothing: the item may have
+        // shrunk. No grace: it has no body to serve.
         if now < fresh_until {
             Verdict::TooLarge
         } else {
@@ -78,7 +79,7 @@ pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Ve
         Verdict::Miss
     } else if entry.is_backoff() {
         // Past its backoff, the copy is the fail-safe copy again.
-        if invalidated || now >= entry.backoff_until() {
+        if now >= entry.backoff_until() {
             Verdict::Miss
         } else {
             Verdict::Backoff(entry)
@@ -257,6 +258,37 @@ mod tests {
         ));
     }
 
+    /// The cutoff is never compared with a clock: an entry read before it
+    /// is a miss for a reader whose clock is behind the raiser's, and for
+    /// one whose loader's clock was ahead (found: both served entries read
+    /// before a truncate under a 3 s skew, with a position past it).
+    #[test]
+    fn an_entry_read_before_the_cutoff_is_a_miss_on_any_clock() {
+        let cutoff = 50_000;
+        // Read knowing an earlier cutoff, stamped by a loader 5 s ahead.
+        let ahead = Entry::stamped(Status::Found, b"x", 52_000, 112_000, Duration::ZERO)
+            .with_cutoff_seen(40_000);
+        // Read knowing an earlier cutoff; judged by a reader 5 s behind
+        // the raiser (its now before the cutoff).
+        let behind = Entry::stamped(Status::Found, b"x", 44_000, 104_000, Duration::ZERO)
+            .with_cutoff_seen(40_000);
+        let grace = Duration::from_millis(5_000);
+        for entry in [ahead, behind] {
+            for now in [45_000, 49_999, 53_000] {
+                assert_eq!(
+                    judge(Some(entry.clone()), now, grace, cutoff),
+                    Verdict::Miss
+                );
+            }
+            // Read knowing the cutoff: fresh as ever.
+            let after = entry.with_cutoff_seen(cutoff);
+            assert!(matches!(
+                judge(Some(after), 45_000, grace, cutoff),
+                Verdict::Fresh(_)
+            ));
+        }
+    }
+
     #[test]
     fn a_clock_skew_moves_the_verdict_by_the_skew() {
         let entry = Entry::stamped(Status::Found, b"x", 10_000, 11_000, Duration::ZERO);
@@ -327,16 +359,18 @@ mod properties {
             0u8..4,
             0u64..3_000_000,
             0u64..10_000,
+            0u64..2_000_000,
         )
             .prop_map(
-                |(status, stored_at, fresh_for, flag, backoff_until, load_ms)| {
+                |(status, stored_at, fresh_for, flag, backoff_until, load_ms, cutoff_seen)| {
                     let e = Entry::stamped(
                         status,
                         b"{}",
                         stored_at,
                         stored_at + fresh_for,
                         Duration::from_millis(load_ms),
-                    );
+                    )
+                    .with_cutoff_seen(cutoff_seen);
                     match flag {
                         1 => e.as_backoff(backoff_until),
                         2 => e.as_invalidated(),
@@ -378,18 +412,19 @@ mod properties {
             prop_assert_eq!(verdict, expected);
         }
 
-        /// A cutoff ends the freshness of every entry read before it, and
-        /// leaves the others as they were.
+        /// A cutoff makes every entry read before it a miss (a failure
+        /// marker aside), whatever the clock says, and leaves the others as
+        /// they were.
         #[test]
         fn a_cutoff_ends_what_was_read_before_it(e in entry(), now in 0u64..3_000_000, cutoff in 0u64..2_000_000, grace_ms in 0u64..1_000_000) {
             let grace = Duration::from_millis(grace_ms);
             let verdict = judge(Some(e.clone()), now, grace, cutoff);
-            if e.read_at() >= cutoff {
+            if !e.before_cutoff(cutoff) {
                 prop_assert_eq!(verdict, judge(Some(e.clone()), now, grace, 0));
+            } else if e.status() == Status::Failed {
+                prop_assert_eq!(verdict, Verdict::Failed);
             } else {
-                let fresh = matches!(verdict, Verdict::Fresh(_));
-                prop_assert!(!fresh || now < cutoff.min(e.fresh_until()));
-                prop_assert!(!matches!(verdict, Verdict::Backoff(_) | Verdict::StaleInGrace(_)));
+                prop_assert_eq!(verdict, Verdict::Miss);
             }
         }
 

@@ -493,6 +493,7 @@ impl<S: Source> ReadPath<S> {
     /// applies a commit only once it is visible), or none.
     async fn read_past(&self, keys: Vec<S::Key>, wanted: Wanted) -> Result<Reply, Refused> {
         let started = Instant::now();
+        let cutoff_seen = self.ctx.cutoff();
         let visible = self.asks.feed.position_at(started);
         let min = wanted.min_lsn.unwrap_or(0);
         let floor = keys
@@ -519,7 +520,7 @@ impl<S: Source> ReadPath<S> {
                     body,
                     Duration::ZERO,
                     took,
-                    started,
+                    (started, cutoff_seen),
                     read.upto,
                 );
                 Answer::new(entry, Served::Bypass)
@@ -662,7 +663,7 @@ impl<S: Source> ReadPath<S> {
     ) -> Result<bool, RedisError> {
         let applied = apply::apply_change(
             &self.ctx.redis,
-            &self.ctx.keys,
+            (&self.ctx.keys, self.ctx.cutoff()),
             &self.ctx.settings,
             key,
             (change, None),
@@ -698,7 +699,7 @@ impl<S: Source> ReadPath<S> {
         let changes = [(key, change, kind)];
         let applied = apply::fenced(
             &self.ctx.redis,
-            &self.ctx.keys,
+            (&self.ctx.keys, self.ctx.cutoff()),
             &self.ctx.settings,
             &changes,
         );
@@ -718,7 +719,7 @@ impl<S: Source> ReadPath<S> {
             .collect();
         apply::fenced(
             &self.ctx.redis,
-            &self.ctx.keys,
+            (&self.ctx.keys, self.ctx.cutoff()),
             &self.ctx.settings,
             &changes,
         )

@@ -29,9 +29,13 @@ layout! {
     }
 }
 
-/// Raises the cutoff to `A.to` unless it is higher already, once per
-/// change: a change seen again (another instance, a catch-up replayed)
-/// does not raise it again. Returns the cutoff in force.
+/// Raises the cutoff to `A.to`, or past the one in force when that is
+/// higher already (a raiser whose clock is behind the last one's), once
+/// per change: a change seen again (another instance, a catch-up replayed)
+/// does not raise it again. Every raise moves it, so that every entry read
+/// knowing the cutoff before is read before it (`cache/entry.rs`: entries
+/// are judged by the cutoff their loader knew, not by a clock). Returns the
+/// cutoff in force.
 pub(super) fn lua() -> String {
     prologue(Keys::<()>::NAMES, Argv::<()>::NAMES)
         + r#"
@@ -42,12 +46,9 @@ if A.change ~= '' then
   end
   redis.call('PEXPIRE', K.applied, A.remember_ms)
 end
-local wanted = tonumber(A.to)
-if wanted > current then
-  redis.call('SET', K.cutoff, A.to)
-  return wanted
-end
-return current
+local wanted = math.max(tonumber(A.to), current + 1)
+redis.call('SET', K.cutoff, string.format('%.0f', wanted))
+return wanted
 "#
 }
 
@@ -118,13 +119,22 @@ mod contract {
         };
 
         assert_eq!(run(&client, &raise(1_000, Some(1))).await, 1_000);
-        // Lower: the higher one stays.
-        assert_eq!(run(&client, &raise(500, Some(2))).await, 1_000);
+        // Lower (a raiser whose clock is behind): it still moves, past the
+        // one in force, never back.
+        assert_eq!(run(&client, &raise(500, Some(2))).await, 1_001);
         assert_eq!(run(&client, &raise(2_000, None)).await, 2_000);
         // Change 1 seen again: not applied again, whatever it asks.
         assert_eq!(run(&client, &raise(3_000, Some(1))).await, 2_000);
         let stored: Option<String> = client.get(&cutoff).await.unwrap();
         assert_eq!(stored.as_deref(), Some("2000"));
+        // Unix milliseconds written whole, not in Lua's exponent form.
+        assert_eq!(
+            run(&client, &raise(1_765_000_000_123, None)).await,
+            1_765_000_000_123
+        );
+        assert_eq!(run(&client, &raise(5, None)).await, 1_765_000_000_124);
+        let stored: Option<String> = client.get(&cutoff).await.unwrap();
+        assert_eq!(stored.as_deref(), Some("1765000000124"));
         clean(&client, &prefix).await;
     }
 }
