@@ -328,13 +328,21 @@ pub async fn run_schedule(
                 .push(format!("{} ({what}): {why:#}", kind.name()));
         }
         if let Some(before) = gave_up {
+            // Per instance, where both reads were answered (a process
+            // restarted since counts from 0 again: none is, in this fault).
             let after = fleet.decoders_gave_up().await;
-            if after > before {
+            let more: u64 = before
+                .iter()
+                .zip(&after)
+                .filter_map(|(before, after)| {
+                    Some(after.as_ref()?.saturating_sub(*before.as_ref()?))
+                })
+                .sum();
+            if more > 0 {
                 schedule.broken.push(format!(
-                    "{} at {:.1} s ({what}): a decoder gave up the slot {} time(s)",
+                    "{} at {:.1} s ({what}): a decoder gave up the slot {more} time(s)",
                     kind.name(),
                     injected.as_secs_f64(),
-                    after - before
                 ));
             }
         }

@@ -345,15 +345,18 @@ impl Fleet {
         postcache::testkit::metric(&text, series)
     }
 
-    /// The times the fleet's decoders gave up the slot, summed over the
-    /// instances (none counts 0).
-    pub async fn decoders_gave_up(&self) -> u64 {
-        let mut total = 0;
+    /// The times each instance's decoder gave up the slot (`None`: its
+    /// metrics did not answer; a counter not yet moved is 0).
+    pub async fn decoders_gave_up(&self) -> Vec<Option<u64>> {
+        let mut counts = Vec::with_capacity(self.instances.len());
         for i in 0..self.instances.len() {
-            let series = "postcache_change_feed_decoder_gave_up_total";
-            total += self.metric(i, series).await.unwrap_or(0.0) as u64;
+            let answered = self.watch(i, "/metrics").await.map(|(_, text)| {
+                let series = "postcache_change_feed_decoder_gave_up_total";
+                postcache::testkit::metric(&text, series).unwrap_or(0.0) as u64
+            });
+            counts.push(answered);
         }
-        total
+        counts
     }
 
     /// The instance whose process decodes the fleet's changes.
