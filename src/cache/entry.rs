@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! offset  size  field
-//! 0       1     version (4)
+//! 0       1     version (3)
 //! 1       1     status: 0 found, 1 not found, 2 failed (messages and failure markers),
 //!               3 too large (a marker: the item is over MAX_ENTRY_BYTES, load it yourself)
 //! 2       1     flags: bit 0 BACKOFF, a stale copy re-served after a failed load;
@@ -22,18 +22,8 @@
 //!               server's, read after the rows' snapshot; 0: not known), by
 //!               which a process keeps from serving an older version of an
 //!               item than one it served (`read_path/floor.rs`)
-//! 47      8     cutoff_seen: the fleet's cutoff the loader knew when its
-//!               load began (0: none): an entry whose cutoff_seen is below
-//!               the cutoff in force was read before the cutoff was raised
-//! 55      ..    body (found only)
+//! 47      ..    body (found only)
 //! ```
-//!
-//! The cutoff (`invalidate --all`, a truncate, a gap in the feed) is
-//! compared with cutoff_seen, a value the loader took from the fleet,
-//! never with stored_at, a time read on the loader's clock: a loader whose
-//! clock ran ahead of the raiser's stamped entries read before the cutoff
-//! with times after it, and they were served on (found under a 3 s clock
-//! skew: 8 answers after a truncate, their `PostCache-LSN` past it).
 //!
 //! One value key holds an item's entry for its whole life, the fail-safe
 //! window included: past freshness (and the stale-while-revalidate window)
@@ -45,7 +35,7 @@
 //! so the layout is written down once.
 //!
 //! Version 1 had no backoff_until and kept the fail-safe copy under a key of
-//! its own; version 2 had no upto; version 3 had no cutoff_seen. During a rolling upgrade an instance
+//! its own; version 2 had no upto. During a rolling upgrade an instance
 //! reads the other version's entries and messages as absent (a miss) and
 //! replaces them: neither serves the other's entries, and a message it
 //! cannot read makes a waiter look again, so neither waits on the other
@@ -65,7 +55,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// The only envelope version this build writes and reads (byte 0).
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 3;
 /// Offset of the status byte.
 pub const STATUS_AT: usize = 1;
 /// Offset of the flags byte.
@@ -86,10 +76,8 @@ pub const ETAG_AT: usize = 23;
 pub const BACKOFF_UNTIL_AT: usize = 31;
 /// Offset of upto (u64, big endian).
 pub const UPTO_AT: usize = 39;
-/// Offset of cutoff_seen (u64, big endian).
-pub const CUTOFF_SEEN_AT: usize = 47;
 /// Bytes before the body.
-pub const HEADER_LEN: usize = 55;
+pub const HEADER_LEN: usize = 47;
 /// Flag: a stale copy stored after a failed load, served until
 /// backoff_until (the backoff), without triggering refreshes.
 pub const FLAG_BACKOFF: u8 = 1;
@@ -200,26 +188,19 @@ impl Entry {
     }
 
     /// Builds an entry stamped now, fresh for `fresh_for`, for what this
-    /// process loaded in a read that began at `began`, knowing the fleet's
-    /// cutoff `cutoff_seen`, and whose rows are no newer than WAL position
-    /// `upto` (0: not known).
+    /// process loaded in a read that began at `began` and whose rows are no
+    /// newer than WAL position `upto` (0: not known).
     pub fn from_load(
         status: Status,
         body: &[u8],
         fresh_for: Duration,
         load_time: Duration,
-        (began, cutoff_seen): (std::time::Instant, u64),
+        began: std::time::Instant,
         upto: u64,
     ) -> Self {
         let stored_at = now_millis();
         let fresh_until = stored_at.saturating_add(fresh_for.as_millis() as u64);
-        let mut entry = Self::layout(
-            status,
-            body,
-            (stored_at, fresh_until, load_time),
-            upto,
-            cutoff_seen,
-        );
+        let mut entry = Self::layout(status, body, stored_at, fresh_until, load_time, upto);
         let since = began.saturating_duration_since(process_epoch());
         entry.loaded_here = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX - 1) + 1;
         entry
@@ -233,15 +214,16 @@ impl Entry {
         fresh_until: u64,
         load_time: Duration,
     ) -> Self {
-        Self::layout(status, body, (stored_at, fresh_until, load_time), 0, 0)
+        Self::layout(status, body, stored_at, fresh_until, load_time, 0)
     }
 
     fn layout(
         status: Status,
         body: &[u8],
-        (stored_at, fresh_until, load_time): (u64, u64, Duration),
+        stored_at: u64,
+        fresh_until: u64,
+        load_time: Duration,
         upto: u64,
-        cutoff_seen: u64,
     ) -> Self {
         let load_micros = u32::try_from(load_time.as_micros()).unwrap_or(u32::MAX);
         let body = if status == Status::Found { body } else { &[] };
@@ -261,7 +243,6 @@ impl Entry {
         buf.put_u64(etag);
         buf.put_u64(0);
         buf.put_u64(upto);
-        buf.put_u64(cutoff_seen);
         buf.put_slice(body);
         Self {
             status,
@@ -341,33 +322,10 @@ impl Entry {
     }
 
     /// When the load that produced it began reading, unix milliseconds: what
-    /// it shows is no newer than that (stored_at less the load time), on
-    /// the loader's clock.
+    /// it shows is no newer than that (stored_at less the load time).
     pub fn read_at(&self) -> u64 {
         self.stored_at
             .saturating_sub(u64::from(self.load_micros).div_ceil(1000))
-    }
-
-    /// The fleet's cutoff its loader knew when the load began (0: none).
-    pub fn cutoff_seen(&self) -> u64 {
-        self.u64_at(CUTOFF_SEEN_AT)
-    }
-
-    /// Whether it was read before `cutoff` (0: none) was raised: its
-    /// loader knew a lower one as it began. No clock is read.
-    pub fn before_cutoff(&self, cutoff: u64) -> bool {
-        self.cutoff_seen() < cutoff
-    }
-
-    /// The same entry, read knowing cutoff `cutoff` (a marker made in place
-    /// of what a load read, a tombstone made as a change is applied).
-    pub fn with_cutoff_seen(&self, cutoff: u64) -> Self {
-        let mut raw = self.raw.to_vec();
-        raw[CUTOFF_SEEN_AT..CUTOFF_SEEN_AT + 8].copy_from_slice(&cutoff.to_be_bytes());
-        Self {
-            raw: Bytes::from(raw),
-            ..self.clone()
-        }
     }
 
     /// Whether it is still fresh at `now` (unix milliseconds).
@@ -565,24 +523,20 @@ mod tests {
     }
 
     /// Entries of versions 1 (the layout with the fail-safe copy in a key
-    /// of its own), 2 (no upto) and 3 (no cutoff_seen) are not read: a
-    /// rolling upgrade never serves them.
+    /// of its own) and 2 (no upto) are not read: a rolling upgrade never
+    /// serves them.
     #[test]
     fn an_entry_of_a_previous_layout_is_not_read() {
         let e = Entry::new(Status::Found, b"x", Duration::from_secs(1), Duration::ZERO);
         let mut v1 = e.raw().to_vec();
         v1[0] = 1;
         // Version 1's header: 31 bytes, the body after it.
-        v1.drain(31..55);
+        v1.drain(31..47);
         assert_eq!(Entry::decode(Bytes::from(v1)), Err(DecodeError::Version(1)));
         let mut v2 = e.raw().to_vec();
         v2[0] = 2;
-        v2.drain(39..55);
+        v2.drain(39..47);
         assert_eq!(Entry::decode(Bytes::from(v2)), Err(DecodeError::Version(2)));
-        let mut v3 = e.raw().to_vec();
-        v3[0] = 3;
-        v3.drain(47..55);
-        assert_eq!(Entry::decode(Bytes::from(v3)), Err(DecodeError::Version(3)));
     }
 
     #[test]
@@ -594,20 +548,14 @@ mod tests {
             b"x",
             Duration::from_secs(1),
             Duration::ZERO,
-            (began, 1_700_000_000_000),
+            began,
             0x1_6B37_4D84,
         );
         assert_eq!(e.upto(), 0x1_6B37_4D84);
-        assert_eq!(e.cutoff_seen(), 1_700_000_000_000);
-        assert!(!e.before_cutoff(1_700_000_000_000));
-        assert!(e.before_cutoff(1_700_000_000_001));
         assert_eq!(e.loaded_here(), Some(began));
         assert_eq!(e.body().as_ref(), b"x");
         let d = Entry::decode(e.raw().clone()).unwrap();
         assert_eq!(d.upto(), 0x1_6B37_4D84);
-        assert_eq!(d.cutoff_seen(), 1_700_000_000_000);
-        assert_eq!(d.with_cutoff_seen(5).cutoff_seen(), 5);
-        assert_eq!(d.with_cutoff_seen(5).body(), d.body());
         // Read back, it was not loaded here.
         assert_eq!(d.loaded_here(), None);
         assert_eq!(d, e);
@@ -616,7 +564,7 @@ mod tests {
             b"",
             Duration::from_secs(1),
             Duration::ZERO,
-            (began, 0),
+            began,
             7,
         );
         assert_eq!(Entry::decode(not_found.raw().clone()).unwrap().upto(), 7);
@@ -627,17 +575,17 @@ mod tests {
         for raw in [
             &b""[..],
             b"{\"id\":1}",
-            b"\x04\x00short",
-            &[4u8; 54],
+            b"\x03\x00short",
+            &[3u8; 46],
             &{
-                let mut bad_status = [0u8; 55];
-                bad_status[..2].copy_from_slice(&[4, 9]);
+                let mut bad_status = [0u8; 47];
+                bad_status[..2].copy_from_slice(&[3, 9]);
                 bad_status
             },
             &{
-                let mut not_found_with_body = [0u8; 56];
-                not_found_with_body[..2].copy_from_slice(&[4, 1]);
-                not_found_with_body[55] = b'x';
+                let mut not_found_with_body = [0u8; 48];
+                not_found_with_body[..2].copy_from_slice(&[3, 1]);
+                not_found_with_body[47] = b'x';
                 not_found_with_body
             },
         ] {

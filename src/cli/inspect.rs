@@ -244,7 +244,7 @@ impl EntryView {
             load_ms: entry.load_time().as_secs_f64() * 1000.0,
             body_bytes: entry.body().len(),
             etag: found.then(|| crate::http::etag(entry)),
-            before_cutoff: entry.before_cutoff(cutoff),
+            before_cutoff: entry.read_at() < cutoff,
             invalidated: entry.is_invalidated(),
             backoff_until: entry.is_backoff().then(|| rfc3339(entry.backoff_until())),
         }

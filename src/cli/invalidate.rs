@@ -75,11 +75,9 @@ pub async fn run(args: &InvalidateArgs) -> anyhow::Result<Invalidated> {
         // as the decoder fences (a load must include it), where known: an
         // outbox id as the fence would let a load read any replica.
         let fence_at = (lsn > 0).then_some(lsn);
-        // (An update, never a deletion: no tombstone, whose cutoff this
-        // would be.)
         let applied = apply::apply_change(
             &redis,
-            (&keys, 0),
+            &keys,
             &settings,
             post,
             (change, fence_at),

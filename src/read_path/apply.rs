@@ -30,11 +30,10 @@ use crate::{
 /// Applies change `change` to the keys of item `id` (the read path's
 /// [`ReadPath::invalidate`](super::ReadPath::invalidate), and `postcache
 /// invalidate`, which fences at a WAL position: `fence_at`); false when it
-/// was applied already. `cutoff`: the cutoff the applier knows (a
-/// deletion's tombstone is read knowing it).
+/// was applied already.
 pub async fn apply_change(
     redis: &RedisCommands,
-    (keys, cutoff): (&Keys, u64),
+    keys: &Keys,
     settings: &Settings,
     id: impl Display,
     (change, fence_at): (i64, Option<u64>),
@@ -44,7 +43,6 @@ pub async fn apply_change(
     let fence = Fence {
         always: false,
         at: fence_at.unwrap_or(0),
-        cutoff,
     };
     Ok(apply(redis, keys, settings, &changes, fence).await? == 1)
 }
@@ -56,16 +54,12 @@ struct Fence {
     always: bool,
     /// With this WAL position (0: each change's id).
     at: u64,
-    /// The cutoff the applier knows, which a deletion's tombstone carries
-    /// as the cutoff it was read knowing (`cache/entry.rs`).
-    cutoff: u64,
 }
 
 /// The tombstone a delete leaves, and the lifetimes a change writes with.
-fn apply_with(s: &Settings, cutoff: u64) -> (Entry, ApplyFor) {
+fn apply_with(s: &Settings) -> (Entry, ApplyFor) {
     let negative = s.jitter.apply(s.negative_ttl);
-    let tombstone =
-        Entry::new(Status::NotFound, &[], negative, Duration::ZERO).with_cutoff_seen(cutoff);
+    let tombstone = Entry::new(Status::NotFound, &[], negative, Duration::ZERO);
     let lifetimes = ApplyFor {
         fence: s.fence_ttl(),
         tombstone_copy: if s.max_stale.is_zero() {
@@ -99,14 +93,13 @@ pub async fn raise_cutoff(
 /// the number applied (a change applied already is skipped).
 pub(super) async fn fenced<K: Display>(
     redis: &RedisCommands,
-    (keys, cutoff): (&Keys, u64),
+    keys: &Keys,
     settings: &Settings,
     changes: &[(K, i64, ChangeKind)],
 ) -> Result<u64, RedisError> {
     let fence = Fence {
         always: true,
         at: 0,
-        cutoff,
     };
     apply(redis, keys, settings, changes, fence).await
 }
@@ -119,7 +112,7 @@ async fn apply<K: Display>(
     changes: &[(K, i64, ChangeKind)],
     fence: Fence,
 ) -> Result<u64, RedisError> {
-    let (tombstone, lifetimes) = apply_with(settings, fence.cutoff);
+    let (tombstone, lifetimes) = apply_with(settings);
     let names: Vec<_> = changes.iter().map(|(key, ..)| keys.item(key)).collect();
     let items: Vec<_> = names
         .iter()

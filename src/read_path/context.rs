@@ -43,11 +43,9 @@ pub(super) struct Context<S: Source> {
     pub won: Arc<WonClaims<S::Key>>,
     /// What this process must serve no older than (floor.rs).
     pub floors: Floors<S::Key>,
-    /// The cutoff in force here (the fleet's, as this process last heard
-    /// it): every entry read knowing a lower one is invalid (`invalidate
-    /// --all`, a truncate; see `apply.rs`). Only ever raised. Shared with
-    /// the loader, which stamps each entry with it as its load begins.
-    cutoff: Arc<AtomicU64>,
+    /// The cutoff in force here, unix milliseconds: every entry read before
+    /// it is invalid (`invalidate --all`; see `apply.rs`). Only ever raised.
+    cutoff: AtomicU64,
 }
 
 impl<S: Source> Context<S> {
@@ -68,6 +66,7 @@ impl<S: Source> Context<S> {
         #[cfg(not(feature = "testkit"))]
         let floors = Floors::default();
         Self {
+            loader,
             keys,
             redis,
             subscriber,
@@ -76,8 +75,7 @@ impl<S: Source> Context<S> {
             memory,
             won: Arc::default(),
             floors,
-            cutoff: loader.cutoff(),
-            loader,
+            cutoff: AtomicU64::new(0),
         }
     }
 

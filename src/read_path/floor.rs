@@ -414,7 +414,7 @@ mod tests {
             body.as_bytes(),
             Duration::from_secs(60),
             Duration::ZERO,
-            (began, 0),
+            began,
             upto,
         )
     }

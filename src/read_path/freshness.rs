@@ -47,13 +47,13 @@ pub enum Verdict {
 /// The verdict on `entry` (`None`: absent or undecodable) at `now` (unix
 /// milliseconds), with `grace` the stale-while-revalidate window and
 /// `cutoff` the fleet's cutoff (0: none), raised by `invalidate --all` or a
-/// truncate: an entry read before it (its loader knew a lower one) is a
-/// miss at once, with no grace (a truncate deletes every post: no old body
-/// is served stale) and no backoff copy. No clock is compared with another
-/// host's: the cutoff with the cutoff the loader knew (`cache/entry.rs`),
-/// not with the reader's clock (found: a reader 5 s behind the raiser
-/// served entries read before a truncate for 5 s, "fresh until the
-/// cutoff", their `PostCache-LSN` past it).
+/// truncate: an entry read before it (on its loader's clock) is a miss at
+/// once, with no grace (a truncate deletes every post: no old body is
+/// served stale) and no backoff copy. The reader's clock is not compared
+/// with the cutoff (found: a reader 5 s behind the raiser served entries
+/// read before a truncate for 5 s, "fresh until the cutoff", their
+/// `PostCache-LSN` past it); the loader's still is (see
+/// docs/design/consistency.md, "Clocks").
 pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Verdict {
     let Some(entry) = entry else {
         return Verdict::Miss;
@@ -64,7 +64,7 @@ pub fn judge(entry: Option<Entry>, now: u64, grace: Duration, cutoff: u64) -> Ve
     // backoff ends.
     if entry.status() == Status::Failed {
         Verdict::Failed
-    } else if entry.before_cutoff(cutoff) {
+    } else if entry.read_at() < cutoff {
         Verdict::Miss
     } else if entry.status() == Status::TooLarge {
         // Past its freshness, a marker says nothing: the item may have
@@ -258,35 +258,27 @@ mod tests {
         ));
     }
 
-    /// The cutoff is never compared with a clock: an entry read before it
-    /// is a miss for a reader whose clock is behind the raiser's, and for
-    /// one whose loader's clock was ahead (found: both served entries read
-    /// before a truncate under a 3 s skew, with a position past it).
+    /// The cutoff is never compared with the reader's clock: an entry read
+    /// before it is a miss for a reader whose clock is behind the raiser's
+    /// (found: such a reader served entries read before a truncate under a
+    /// 3 s skew, with a position past it).
     #[test]
-    fn an_entry_read_before_the_cutoff_is_a_miss_on_any_clock() {
+    fn an_entry_read_before_the_cutoff_is_a_miss_on_a_clock_behind_the_raiser() {
         let cutoff = 50_000;
-        // Read knowing an earlier cutoff, stamped by a loader 5 s ahead.
-        let ahead = Entry::stamped(Status::Found, b"x", 52_000, 112_000, Duration::ZERO)
-            .with_cutoff_seen(40_000);
-        // Read knowing an earlier cutoff; judged by a reader 5 s behind
-        // the raiser (its now before the cutoff).
-        let behind = Entry::stamped(Status::Found, b"x", 44_000, 104_000, Duration::ZERO)
-            .with_cutoff_seen(40_000);
+        let before = Entry::stamped(Status::Found, b"x", 44_000, 104_000, Duration::ZERO);
         let grace = Duration::from_millis(5_000);
-        for entry in [ahead, behind] {
-            for now in [45_000, 49_999, 53_000] {
-                assert_eq!(
-                    judge(Some(entry.clone()), now, grace, cutoff),
-                    Verdict::Miss
-                );
-            }
-            // Read knowing the cutoff: fresh as ever.
-            let after = entry.with_cutoff_seen(cutoff);
-            assert!(matches!(
-                judge(Some(after), 45_000, grace, cutoff),
-                Verdict::Fresh(_)
-            ));
+        for now in [45_000, 49_999, 53_000] {
+            assert_eq!(
+                judge(Some(before.clone()), now, grace, cutoff),
+                Verdict::Miss
+            );
         }
+        // Read after it: fresh as ever.
+        let after = Entry::stamped(Status::Found, b"x", 51_000, 111_000, Duration::ZERO);
+        assert!(matches!(
+            judge(Some(after), 45_000, grace, cutoff),
+            Verdict::Fresh(_)
+        ));
     }
 
     #[test]
@@ -359,18 +351,16 @@ mod properties {
             0u8..4,
             0u64..3_000_000,
             0u64..10_000,
-            0u64..2_000_000,
         )
             .prop_map(
-                |(status, stored_at, fresh_for, flag, backoff_until, load_ms, cutoff_seen)| {
+                |(status, stored_at, fresh_for, flag, backoff_until, load_ms)| {
                     let e = Entry::stamped(
                         status,
                         b"{}",
                         stored_at,
                         stored_at + fresh_for,
                         Duration::from_millis(load_ms),
-                    )
-                    .with_cutoff_seen(cutoff_seen);
+                    );
                     match flag {
                         1 => e.as_backoff(backoff_until),
                         2 => e.as_invalidated(),
@@ -419,7 +409,7 @@ mod properties {
         fn a_cutoff_ends_what_was_read_before_it(e in entry(), now in 0u64..3_000_000, cutoff in 0u64..2_000_000, grace_ms in 0u64..1_000_000) {
             let grace = Duration::from_millis(grace_ms);
             let verdict = judge(Some(e.clone()), now, grace, cutoff);
-            if !e.before_cutoff(cutoff) {
+            if e.read_at() >= cutoff {
                 prop_assert_eq!(verdict, judge(Some(e.clone()), now, grace, 0));
             } else if e.status() == Status::Failed {
                 prop_assert_eq!(verdict, Verdict::Failed);

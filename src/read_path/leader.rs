@@ -357,7 +357,7 @@ impl<'a, S: Source> Leader<'a, S> {
         matches!(
             entry.status(),
             Status::Found | Status::NotFound | Status::TooLarge
-        ) && !entry.before_cutoff(cutoff)
+        ) && entry.read_at() >= cutoff
             && !self.ctx.loader.source().reads_copies()
             && self.ctx.memory.unchanged_since(ticket)
     }
@@ -382,7 +382,7 @@ impl<'a, S: Source> Leader<'a, S> {
         }
         // Read before a cutoff raised meanwhile (`invalidate --all`, a
         // truncate): stale already, as a change would have made it.
-        if published.before_cutoff(self.ctx.cutoff()) {
+        if published.read_at() < self.ctx.cutoff() {
             metrics::fenced();
             tracing::debug!(%key, "the cutoff was raised during the load: fenced");
             return Led::Fenced(too_large.unwrap_or(entry));

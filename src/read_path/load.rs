@@ -5,10 +5,7 @@
 //! lab's baselines make a statement per request.
 
 use std::{
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc,
-    },
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -34,8 +31,6 @@ pub(super) struct Loader<S: Source> {
     jitter: Jitter,
     load_timeout: Duration,
     max_entry_bytes: usize,
-    /// The process's cutoff (see `context.rs`), read as each load begins.
-    cutoff: Arc<AtomicU64>,
 }
 
 impl<S: Source> Loader<S> {
@@ -53,13 +48,7 @@ impl<S: Source> Loader<S> {
             jitter: s.jitter,
             load_timeout: s.load_timeout,
             max_entry_bytes: s.max_entry_bytes,
-            cutoff: Arc::default(),
         }
-    }
-
-    /// The process's cutoff, which the context raises.
-    pub fn cutoff(&self) -> Arc<AtomicU64> {
-        self.cutoff.clone()
     }
 
     /// The source itself.
@@ -134,8 +123,7 @@ impl<S: Source> Loader<S> {
             loaded.stored_at(),
             loaded.fresh_until(),
             loaded.load_time(),
-        )
-        .with_cutoff_seen(loaded.cutoff_seen());
+        );
         (marker, Some(loaded))
     }
 
@@ -151,9 +139,6 @@ impl<S: Source> Loader<S> {
     /// `since`: the last change the load must see (see [`Since`]).
     pub async fn entry(&self, key: &S::Key, since: Since) -> Result<Entry, Busy> {
         let started = Instant::now();
-        // Before anything is read: what it reads is no older than a raise
-        // of the cutoff this process has heard of.
-        let cutoff_seen = self.cutoff.load(Ordering::SeqCst);
         let load = async {
             if self.batched {
                 self.source.load(key, since).await
@@ -181,27 +166,13 @@ impl<S: Source> Loader<S> {
                 metrics::db_load("found", took);
                 tracing::debug!(%key, took_ms, "loaded");
                 let ttl = jitter.apply(self.cache_ttl);
-                Entry::from_load(
-                    Status::Found,
-                    &body,
-                    ttl,
-                    took,
-                    (started, cutoff_seen),
-                    upto,
-                )
+                Entry::from_load(Status::Found, &body, ttl, took, started, upto)
             }
             Ok(Loaded { body: None, upto }) => {
                 metrics::db_load("not_found", took);
                 tracing::debug!(%key, took_ms, "loaded: not found");
                 let ttl = jitter.apply(self.negative_ttl);
-                Entry::from_load(
-                    Status::NotFound,
-                    &[],
-                    ttl,
-                    took,
-                    (started, cutoff_seen),
-                    upto,
-                )
+                Entry::from_load(Status::NotFound, &[], ttl, took, started, upto)
             }
             Err(error) if error.is::<Busy>() => {
                 metrics::shed("db_pool");

@@ -493,7 +493,6 @@ impl<S: Source> ReadPath<S> {
     /// applies a commit only once it is visible), or none.
     async fn read_past(&self, keys: Vec<S::Key>, wanted: Wanted) -> Result<Reply, Refused> {
         let started = Instant::now();
-        let cutoff_seen = self.ctx.cutoff();
         let visible = self.asks.feed.position_at(started);
         let min = wanted.min_lsn.unwrap_or(0);
         let floor = keys
@@ -520,7 +519,7 @@ impl<S: Source> ReadPath<S> {
                     body,
                     Duration::ZERO,
                     took,
-                    (started, cutoff_seen),
+                    started,
                     read.upto,
                 );
                 Answer::new(entry, Served::Bypass)
@@ -663,7 +662,7 @@ impl<S: Source> ReadPath<S> {
     ) -> Result<bool, RedisError> {
         let applied = apply::apply_change(
             &self.ctx.redis,
-            (&self.ctx.keys, self.ctx.cutoff()),
+            &self.ctx.keys,
             &self.ctx.settings,
             key,
             (change, None),
@@ -699,7 +698,7 @@ impl<S: Source> ReadPath<S> {
         let changes = [(key, change, kind)];
         let applied = apply::fenced(
             &self.ctx.redis,
-            (&self.ctx.keys, self.ctx.cutoff()),
+            &self.ctx.keys,
             &self.ctx.settings,
             &changes,
         );
@@ -719,7 +718,7 @@ impl<S: Source> ReadPath<S> {
             .collect();
         apply::fenced(
             &self.ctx.redis,
-            (&self.ctx.keys, self.ctx.cutoff()),
+            &self.ctx.keys,
             &self.ctx.settings,
             &changes,
         )

@@ -762,69 +762,6 @@ async fn after_invalidate_all_no_old_body_is_served_and_the_cutoff_moves_once() 
     }
 }
 
-/// An entry stored by an instance whose clock runs ahead of the one that
-/// raised the cutoff, read before the raise, is stale by the cutoff all the
-/// same: entries are judged by the cutoff their loader knew as it began,
-/// not by the time it stamped them with (found: clocks 3 s apart in the
-/// coherence checker, and after a truncate entries read before it were
-/// served on, their `PostCache-LSN` past the truncate).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_entry_stamped_by_a_clock_ahead_of_the_raiser_is_stale_by_the_cutoff() {
-    use fred::prelude::*;
-    use postcache::cache::{Entry, Status};
-    let env = TestEnv::new(3).await;
-    let app = env.spawn(&["--change-feed", "trigger"]).await;
-    // What a loader 5 s ahead stored just before the raise, knowing no
-    // cutoff yet.
-    let ahead = postcache::cache::now_millis() + 5_000;
-    let forged = Entry::stamped(
-        Status::Found,
-        br#"{"id":1,"title":"read before the cutoff"}"#,
-        ahead,
-        ahead + 3_600_000,
-        Duration::ZERO,
-    );
-    let _: () = env
-        .redis
-        .set(
-            env.keys.value(1),
-            forged.raw().clone(),
-            Some(Expiration::PX(3_600_000)),
-            None,
-            false,
-        )
-        .await
-        .unwrap();
-    let before = app.get("/posts/1").await;
-    assert_eq!(
-        before.json()["title"],
-        "read before the cutoff",
-        "served as any hit"
-    );
-
-    let Invalidated::All { cutoff } = invalidate::run(&env.invalidate_args(&["--all"]))
-        .await
-        .unwrap()
-    else {
-        panic!("every post")
-    };
-    assert!(cutoff < ahead, "the raiser's clock is behind the loader's");
-    wait_until("the instance to follow the cutoff", A_WHILE, async || {
-        app.state.read_path.cutoff() >= cutoff
-    })
-    .await;
-    for _ in 0..3 {
-        let after = app.get("/posts/1").await;
-        assert_eq!(after.status, 200);
-        assert_ne!(
-            after.json()["title"],
-            "read before the cutoff",
-            "an entry read before the cutoff, served after it ({:?})",
-            after.x_cache
-        );
-    }
-}
-
 /// A Redis Cluster master stalls: changes to its posts wait in the retry
 /// list (its keys are read from PostgreSQL meanwhile, once its breaker is
 /// open), and a change to another shard's post committed later is applied

@@ -532,16 +532,13 @@ async fn a_ready_message_published_before_a_change_the_look_saw_is_not_served() 
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let ahead = postcache::cache::now_millis() + 10_000;
-    // Read knowing the cutoff the instance raised as it started: only the
-    // fence may refuse it.
     let old = Entry::stamped(
         Status::Found,
         br#"{"id":2,"title":"old"}"#,
         ahead,
         ahead + 60_000,
         Duration::ZERO,
-    )
-    .with_cutoff_seen(postcache::cache::now_millis());
+    );
     let _: () = env
         .redis
         .publish(&channel, message::framed(b"100", old.raw()))
@@ -559,8 +556,7 @@ async fn a_ready_message_published_before_a_change_the_look_saw_is_not_served() 
         br#"{"id":2,"title":"new"}"#,
         Duration::from_secs(60),
         Duration::ZERO,
-    )
-    .with_cutoff_seen(postcache::cache::now_millis());
+    );
     store_and_publish(&env, 2, &new, b"200").await;
     let (reply, _) = pending.await.unwrap();
     assert_eq!(reply.status, 200);
@@ -599,14 +595,12 @@ async fn garbage_on_a_ready_channel_is_ignored_and_the_waiter_still_answers() {
     .await;
     assert!(!pending.is_finished(), "answered by garbage");
     // Then what a leader's finish does: store, then publish.
-    // Read knowing the cutoff the instance raised as it started.
     let entry = Entry::new(
         Status::Found,
         br#"{"id":2}"#,
         Duration::from_secs(60),
         Duration::ZERO,
-    )
-    .with_cutoff_seen(postcache::cache::now_millis());
+    );
     let published = Instant::now();
     // Under the item's fence: none.
     store_and_publish(&env, 2, &entry, b"").await;

@@ -40,14 +40,12 @@ async fn a_value_written_from_outside_without_publish_is_found_by_the_recheck() 
     let writer = env.redis.clone();
     let hooks = Hooks {
         before_recheck: Some(Arc::new(move |key: String| {
-            // Read knowing the cutoff the instance raised as it started.
             let entry = Entry::new(
                 Status::Found,
                 br#"{"id":4,"from":"outside"}"#,
                 Duration::from_secs(60),
                 Duration::ZERO,
-            )
-            .with_cutoff_seen(postcache::cache::now_millis());
+            );
             let (writer, raw) = (writer.clone(), entry.raw().clone());
             Box::pin(async move {
                 let _: () = writer

@@ -32,10 +32,9 @@ layout! {
 /// Raises the cutoff to `A.to`, or past the one in force when that is
 /// higher already (a raiser whose clock is behind the last one's), once
 /// per change: a change seen again (another instance, a catch-up replayed)
-/// does not raise it again. Every raise moves it, so that every entry read
-/// knowing the cutoff before is read before it (`cache/entry.rs`: entries
-/// are judged by the cutoff their loader knew, not by a clock). Returns the
-/// cutoff in force.
+/// does not raise it again. Every raise moves it: a raise that left it
+/// where it was would invalidate nothing read since the last one. Returns
+/// the cutoff in force.
 pub(super) fn lua() -> String {
     prologue(Keys::<()>::NAMES, Argv::<()>::NAMES)
         + r#"

@@ -122,7 +122,6 @@ pub(super) fn with_layout(lua: &str) -> String {
         .replace("$STORED_AT", &at(entry::STORED_AT))
         .replace("$FRESH_UNTIL", &at(entry::FRESH_UNTIL_AT))
         .replace("$LOAD_AT", &at(entry::LOAD_AT))
-        .replace("$CUTOFF_SEEN", &at(entry::CUTOFF_SEEN_AT))
         .replace("$FOUND", &entry::STATUS_FOUND.to_string())
         .replace("$NOT_FOUND", &entry::STATUS_NOT_FOUND.to_string())
         .replace("$FAILED", &entry::STATUS_FAILED.to_string())

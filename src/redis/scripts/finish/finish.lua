@@ -14,9 +14,8 @@ local function u(s, at, n)
   return v
 end
 local function u64(s, at) return u(s, at, 8) end
--- Whether an entry was read before `cutoff` was raised: its loader knew a
--- lower one as its load began (cache/entry.rs; no clock is compared).
-local function before_cutoff(s, cutoff) return u64(s, $CUTOFF_SEEN) < cutoff end
+-- When the load of an entry began reading (stored_at less the load time).
+local function read_at(s) return u64(s, $STORED_AT) - math.ceil(u(s, $LOAD_AT, 4) / 1000) end
 local function has(s, flag) return bit.band(string.byte(s, $FLAGS), flag) ~= 0 end
 -- n as 8 big-endian bytes (exact below 2^53: unix milliseconds are).
 local function be64(n)
@@ -109,14 +108,14 @@ local function finish_one(K, A)
     publish = false
   elseif status(entry) == $FAILED then
     if current and status(current) ~= $FAILED and not has(current, $INVALIDATED)
-        and not has(current, $CHANGED) and u64(current, $FRESH_UNTIL) > now and not before_cutoff(current, tonumber(A.cutoff)) then
+        and not has(current, $CHANGED) and u64(current, $FRESH_UNTIL) > now and read_at(current) >= tonumber(A.cutoff) then
       payload = current
     else
       -- The last good copy: what the value key keeps past freshness (found,
       -- or the tombstone of a deleted item), invalidated by a change or
       -- not; never one read before the cutoff of `invalidate --all`.
       local copy = nil
-      if current and is_copy(current) and not before_cutoff(current, tonumber(A.cutoff)) then
+      if current and is_copy(current) and read_at(current) >= tonumber(A.cutoff) then
         copy = current
       end
       local failure_ms = tonumber(A.failure_ms)
