@@ -142,6 +142,13 @@ impl Batch {
 
 /// Most changes kept for a retry; past it, one raise of the cutoff.
 pub(super) const RETRY_LIST_MAX: usize = 10_000;
+/// How often changes that wait for Redis are tried again (each try bounded
+/// by REDIS_TIMEOUT). Often, so that they land within moments of Redis's
+/// return: a Redis paused for 2 s let a change wait up to 880 ms past the
+/// pause while the tries came with the beats, a BEAT_EVERY apart, and the
+/// sessions ended on a beat that could not be appended. A try that fails
+/// costs a timed-out command; nothing else waits on it.
+pub(super) const RETRY_EVERY: Duration = Duration::from_millis(50);
 
 /// How far the decoder has got.
 pub(super) struct DecoderProgress {
@@ -167,6 +174,8 @@ pub(super) struct DecoderProgress {
     pub(super) retrying: bool,
     /// When a retry last waited for the replicas.
     pub(super) replicas_tried: Option<Instant>,
+    /// When the changes in `retry` were last tried (see [`RETRY_EVERY`]).
+    pub(super) retried_at: Option<Instant>,
 }
 
 impl Default for DecoderProgress {
@@ -180,11 +189,34 @@ impl Default for DecoderProgress {
             replicas_behind: false,
             retrying: false,
             replicas_tried: None,
+            retried_at: None,
         }
     }
 }
 
 impl DecoderProgress {
+    /// When what waits in `retry` is next tried: a RETRY_EVERY after the
+    /// last try ended (at once if none was made); `None` while nothing
+    /// waits.
+    pub(super) fn retry_at(&self) -> Option<Instant> {
+        self.retry_at_after(RETRY_EVERY)
+    }
+
+    /// As [`DecoderProgress::retry_at`], `every` after the last try.
+    fn retry_at_after(&self, every: Duration) -> Option<Instant> {
+        if self.retry.is_empty() {
+            return None;
+        }
+        Some(self.retried_at.map_or_else(Instant::now, |at| at + every))
+    }
+
+    /// Whether what waits in `retry` is to be tried now, `every` after the
+    /// last try ended.
+    pub(super) fn retry_due_after(&self, every: Duration) -> bool {
+        self.retry_at_after(every)
+            .is_some_and(|at| at <= Instant::now())
+    }
+
     pub(super) fn announce(&mut self, upto: u64) {
         if upto > self.announced {
             self.announced = upto;
@@ -224,6 +256,30 @@ impl DecoderProgress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_waits_for_redis_is_tried_at_once_then_a_retry_every_apart() {
+        let mut progress = DecoderProgress::default();
+        assert_eq!(progress.retry_at(), None, "nothing waits");
+        assert!(!progress.retry_due_after(RETRY_EVERY));
+        progress.keep(4, ChangeKind::Changed, 7);
+        assert!(
+            progress.retry_due_after(RETRY_EVERY),
+            "never tried: at once"
+        );
+        let tried = Instant::now();
+        progress.retried_at = Some(tried);
+        assert_eq!(progress.retry_at(), Some(tried + RETRY_EVERY));
+        assert!(!progress.retry_due_after(RETRY_EVERY));
+        progress.retried_at = Some(tried - RETRY_EVERY);
+        assert!(progress.retry_due_after(RETRY_EVERY));
+        assert!(!progress.retry_due_after(RETRY_EVERY * 2), "a longer wait");
+        progress.retry.clear();
+        assert!(
+            !progress.retry_due_after(RETRY_EVERY),
+            "nothing waits any more"
+        );
+    }
 
     #[test]
     fn a_transaction_past_the_bound_keeps_no_ids() {

@@ -64,7 +64,14 @@ pub fn replication_config(database_url: &str, slot: &str) -> anyhow::Result<Repl
         .with_tls(tls)
         .with_buffer_size(BUFFERED)
         .with_status_interval(Duration::from_millis(200))
-        .with_wakeup_interval(Duration::from_secs(5))
+        // A status at least every half second while the stream is idle:
+        // the client sends one otherwise only when the applied position
+        // moves or the server asks (at half its wal_sender_timeout), and
+        // the decoder's liveness judge counts PostgreSQL's silence from
+        // the last status it heard (found: a decoder holding its position
+        // back while changes waited for a paused Redis went unheard for
+        // 2 s and gave up its slot).
+        .with_wakeup_interval(Duration::from_millis(500))
         .with_application_name("postcache-decoder");
     if let Some(port) = url.port() {
         config = config.with_port(port);

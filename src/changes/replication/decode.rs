@@ -77,6 +77,11 @@ impl Candidate {
                         self.judge_and_beat(client, session, &mut progress, open, false)
                             .await?;
                     }
+                    // Less often than between bursts: each try may take
+                    // a REDIS_TIMEOUT, which the burst waits out.
+                    if progress.retry_due_after(BEAT_EVERY) {
+                        self.retry(&mut progress).await?;
+                    }
                     event?
                 }
                 // A batch lingers a little for more commits: under a write
@@ -101,8 +106,14 @@ impl Candidate {
                     let keeps_up = pending.is_none() && progress.retry.is_empty();
                     let tell = (keeps_up && progress.applied.0 > progress.announced)
                         .then(|| progress.announced_at + POSITION_EVERY);
+                    let retry_at = progress.retry_at();
                     tokio::select! {
                         event = client.recv() => event?,
+                        _ = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now).into()), if retry_at.is_some() => {
+                            self.retry(&mut progress).await?;
+                            client.update_applied_lsn(progress.confirmable());
+                            continue;
+                        }
                         _ = beat.tick() => {
                             self.retry(&mut progress).await?;
                             let open = pending.is_some();
@@ -243,7 +254,16 @@ impl Candidate {
             age_ms: age.as_millis() as u64,
             session: session.id,
         };
-        fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
+        // A beat that cannot be appended (Redis down or paused) is not
+        // told: the instances judge the feed by the beats they read, and
+        // late beats make them distrust it. The session goes on, and what
+        // it decodes meanwhile waits for Redis in the retry list (found: a
+        // session that ended on a paused Redis was started again, and its
+        // changes applied, up to 880 ms after Redis's return).
+        if let Err(error) = fanout::append(self.read_path.redis(), &self.stream_key, &entry).await {
+            tracing::debug!(%error, "a beat could not be appended; the next one is tried");
+            return Ok(());
+        }
         progress.announce(position);
         metrics::feed_lag_bytes(behind);
         Ok(())
@@ -411,6 +431,7 @@ impl Candidate {
         };
         let results = self.replicated(results, progress).await;
         let mut ids = Vec::with_capacity(results.len());
+        let mut told = Vec::with_capacity(results.len());
         let mut deleted = Vec::new();
         for ((id, kind, at), replicated) in results {
             if replicated == Replicated::NotApplied {
@@ -423,6 +444,7 @@ impl Candidate {
                 progress.keep(id, kind, at);
             }
             ids.push(id);
+            told.push((id, kind, at));
             // Recreated: it exists (the instances' guards admit it).
             if kind == ChangeKind::Deleted {
                 deleted.push(id);
@@ -444,18 +466,25 @@ impl Candidate {
             } else {
                 0
             };
-            fanout::append(
-                self.read_path.redis(),
-                &self.stream_key,
-                &Entry::Posts {
-                    lsn: lsn.0,
-                    ids,
-                    deleted,
-                    upto,
-                },
-            )
-            .await?;
-            progress.announce(upto);
+            let entry = Entry::Posts {
+                lsn: lsn.0,
+                ids,
+                deleted,
+                upto,
+            };
+            match fanout::append(self.read_path.redis(), &self.stream_key, &entry).await {
+                Ok(()) => progress.announce(upto),
+                // Applied, but the instances were not told (their memory
+                // tiers hold the rows as they were): applied again and
+                // told with the retries (a change applied already is a
+                // no-op), the slot's position held meanwhile.
+                Err(error) => {
+                    tracing::debug!(%error, posts = told.len(), "changes applied but not told; retrying");
+                    for (id, kind, at) in told {
+                        progress.keep(id, kind, at);
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -536,7 +565,10 @@ impl Candidate {
             age_ms: 0,
             session: session.id,
         };
-        fanout::append(self.read_path.redis(), &self.stream_key, &entry).await?;
+        // Not told, as in `judge_and_beat`: the session goes on.
+        if let Err(error) = fanout::append(self.read_path.redis(), &self.stream_key, &entry).await {
+            tracing::debug!(%error, "a beat could not be appended; the next one is tried");
+        }
         Ok(())
     }
 
@@ -551,6 +583,7 @@ impl Candidate {
                 .replicas_tried
                 .is_some_and(|at| at.elapsed() < REPLICAS_RETRY_EVERY)
             {
+                progress.retried_at = Some(Instant::now());
                 return Ok(());
             }
             progress.replicas_tried = Some(Instant::now());
@@ -566,6 +599,9 @@ impl Candidate {
             .apply(waiting, Lsn(newest), Duration::ZERO, progress)
             .await;
         progress.retrying = false;
+        // From its end: a try that timed out is not followed by the next
+        // at once.
+        progress.retried_at = Some(Instant::now());
         applied
     }
 }
