@@ -568,6 +568,17 @@ impl Reader {
                 tail.first()
                     .map_or_else(|| "0-0".to_owned(), |(id, _)| id.clone()),
             );
+            // The entries before it are not read, and one may have raised
+            // the cutoff (a truncate, a gap): the cutoff is read before any
+            // beat vouches for a position past them (a raiser sets it before
+            // it appends). Found: an instance resumed after a stop named a
+            // truncate's position and served, from Redis, rows from before
+            // it, judged by the cutoff before it, until the background read
+            // of the cutoff, a second apart, caught up.
+            self.read_path
+                .follow_cutoff()
+                .await
+                .map_err(|error| anyhow::anyhow!("the fleet's cutoff: {error}"))?;
             self.beats.taken_up();
             // Redis may have lost what was applied: no position vouches.
             self.read_path.feed_position(0);
